@@ -1,0 +1,26 @@
+"""Framework-agnostic fused MPI gradient reduction for numpy and cupy arrays.
+
+Example::
+
+    from mpi_gradreducer import DistributedGradReducer, broadcast_parameters
+
+    broadcast_parameters(params)
+    reducer = DistributedGradReducer(params)
+    ...
+    reducer(grads)  # averaged across ranks, in place
+"""
+
+from .groups import broadcast_parameters, create_group
+from .planning import Bucket
+from .reducer import DistributedGradReducer, ReducerStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Bucket",
+    "DistributedGradReducer",
+    "ReducerStats",
+    "broadcast_parameters",
+    "create_group",
+    "__version__",
+]

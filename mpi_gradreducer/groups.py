@@ -1,0 +1,100 @@
+"""Groups of ranks and the first step of data-parallel training."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from . import agreement, backend
+
+__all__ = ["create_group", "broadcast_parameters"]
+
+
+def create_group(ranks: Sequence[int], comm: Optional[MPI.Intracomm] = None) -> Optional[MPI.Intracomm]:
+    """A communicator of the given ranks of ``comm`` (collective over ``comm``).
+
+    Every rank of ``comm`` calls it with the same ``ranks``; the listed ranks
+    get the new communicator, in the listed order, and the others get None.
+
+    Args:
+        ranks: distinct ranks of ``comm``.
+        comm: the parent; default ``MPI.COMM_WORLD``.
+
+    Returns:
+        The new intracommunicator on members, None elsewhere. Free it with
+        ``Free()`` when done.
+
+    Raises:
+        ValueError: on every rank, if ``ranks`` is invalid on any rank or
+            differs between ranks.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    size = comm.Get_size()
+    error = None
+    members: list[int] = []
+    try:
+        members = [int(r) for r in ranks]
+        if any(isinstance(r, bool) or not isinstance(r, (int, np.integer)) for r in ranks):
+            raise TypeError(f"ranks: expected ints, got {list(ranks)!r}")
+        if not members:
+            raise ValueError("ranks: expected at least one rank, got none")
+        if len(set(members)) != len(members) or not all(0 <= r < size for r in members):
+            raise ValueError(f"ranks: expected distinct ranks in [0, {size - 1}], got {members}")
+    except (TypeError, ValueError) as exc:
+        error = exc if isinstance(exc, (TypeError, ValueError)) else ValueError(str(exc))
+    digest = _digest(members)
+    agreement.raise_if_any(comm, error, checks=(digest,))
+    new = comm.Create(comm.Get_group().Incl(members))
+    return None if new == MPI.COMM_NULL else new
+
+
+def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: Optional[MPI.Intracomm] = None) -> Sequence[Any]:
+    """Copy rank ``root``'s arrays into every rank's arrays, in place (collective).
+
+    Args:
+        arrays: host (numpy) arrays of the same shapes and dtypes on every rank.
+        root: the rank whose values everyone takes.
+        group: the communicator; default ``MPI.COMM_WORLD``.
+
+    Returns:
+        ``arrays`` itself.
+
+    Raises:
+        ValueError, TypeError: on every rank, if any rank's arrays are not
+            writeable arrays, or shapes/dtypes differ between ranks.
+    """
+    comm = MPI.COMM_WORLD if group is None else group
+    error = None
+    rows: list[tuple[int, ...]] = []
+    try:
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or not 0 <= root < comm.Get_size():
+            raise ValueError(f"root: expected a rank in [0, {comm.Get_size() - 1}], got {root!r}")
+        for i, a in enumerate(arrays):
+            if backend.device_of(a) is None:
+                raise TypeError(f"arrays[{i}]: expected an array, got {type(a).__name__}")
+            if not a.flags.writeable:
+                raise ValueError(f"arrays[{i}] is read-only, but it is written in place")
+            rows.append((_digest([a.dtype.str]), a.ndim, *a.shape))
+    except (TypeError, ValueError) as exc:
+        error = exc
+    agreement.raise_if_any(comm, error, checks=(int(root),))
+    agreement.check_same(comm, rows, lambda i, r: f"shape {tuple(r[2:])} (dtype code {r[0]})", "array")
+    for a in arrays:
+        flat = backend.flat_view(a)
+        if flat is not None:
+            comm.Bcast(flat, root=root)
+        else:
+            tmp = np.ascontiguousarray(a)
+            comm.Bcast(tmp, root=root)
+            a[...] = tmp
+    return arrays
+
+
+def _digest(values: Sequence[Any]) -> int:
+    """A deterministic 62-bit digest of ints/strings (same on every rank)."""
+    import zlib
+
+    text = repr(list(values)).encode()
+    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)

@@ -1,0 +1,251 @@
+"""The reduction plan: which parameters travel together in which buffer.
+
+Pure functions of shapes, dtypes, devices and fusion ids; nothing here talks to
+MPI, so the plan can be built and tested in a single process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = [
+    "Bucket",
+    "ParamSpec",
+    "fusion_ids",
+    "make_plan",
+    "reduction_dtype",
+    "supported_dtypes",
+]
+
+
+def supported_dtypes() -> tuple[np.dtype, ...]:
+    """Dtypes the reducer accepts, in a fixed order shared by every rank.
+
+    The position of a dtype in this tuple is its code in the cross-rank plan
+    signature, so it never depends on import order.
+
+    Returns:
+        float16, float32, float64, complex64, complex128 and, where
+        ``ml_dtypes`` is installed, bfloat16.
+    """
+    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "complex64", "complex128")]
+    try:
+        import ml_dtypes
+    except ImportError:  # optional dependency
+        pass
+    else:
+        dtypes.append(np.dtype(ml_dtypes.bfloat16))
+    return tuple(dtypes)
+
+
+def reduction_dtype(dtype: np.dtype) -> np.dtype:
+    """Dtype in which arrays of ``dtype`` are summed.
+
+    Half-precision floats (float16, bfloat16) are summed in float32 and cast
+    back, as MindSpore does; every other supported dtype is summed natively.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16"):
+        return np.dtype(np.float32)
+    return dtype
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the plan needs to know of one parameter.
+
+    Attributes:
+        shape: the array's shape.
+        dtype: the array's dtype.
+        device: ``"cpu"`` for host arrays, ``"cuda:N"`` for arrays on GPU N.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    device: str = "cpu"
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One fused message: a buffer of ``wire_dtype`` reduced together.
+
+    Attributes:
+        indices: parameter indices, in buffer order.
+        offsets: element offset of each member in the buffer.
+        sizes: element count of each member.
+        dtype: dtype of the members' arrays.
+        wire_dtype: dtype of the buffer that MPI sums.
+        device: where the members live (``"cpu"`` or ``"cuda:N"``).
+        fusion_id: the members' fusion id (0: never fused).
+    """
+
+    indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    dtype: np.dtype
+    wire_dtype: np.dtype
+    device: str
+    fusion_id: int
+
+    @property
+    def count(self) -> int:
+        """Number of elements in the buffer."""
+        return self.offsets[-1] + self.sizes[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes MPI reduces for this bucket."""
+        return self.count * self.wire_dtype.itemsize
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(indices={list(self.indices)}, dtype={self.dtype.name}, "
+            f"wire_dtype={self.wire_dtype.name}, device={self.device!r}, "
+            f"fusion_id={self.fusion_id}, nbytes={self.nbytes})"
+        )
+
+
+def fusion_ids(
+    count: int,
+    fusion_type: int = 1,
+    fusion: Optional[Sequence[int]] = None,
+    split_indices: Optional[Sequence[int]] = None,
+) -> list[int]:
+    """Resolve MindSpore-style fusion settings to one fusion id per parameter.
+
+    Args:
+        count: number of parameters.
+        fusion_type: the id given to every parameter when neither ``fusion``
+            nor ``split_indices`` is given.
+        fusion: one id per parameter.
+        split_indices: inclusive end indices of consecutive groups, as
+            MindSpore's ``all_reduce_fusion_config``: ``[20, 35]`` over 50
+            parameters gives ids 1 for 0-20, 2 for 21-35 and 3 for 36-49.
+
+    Returns:
+        A list of ``count`` non-negative ints; 0 means "never fused".
+
+    Raises:
+        ValueError: when more than one way is given, or a value is out of range.
+        TypeError: when an id or index is not an int.
+    """
+    if fusion is not None and split_indices is not None:
+        raise ValueError("give either fusion or split_indices, not both")
+    if fusion is not None:
+        ids = list(fusion)
+        if len(ids) != count:
+            raise ValueError(f"fusion: expected {count} ids (one per parameter), got {len(ids)}")
+        for i, f in enumerate(ids):
+            _check_int(f"fusion[{i}]", f, minimum=0)
+        return [int(f) for f in ids]
+    if split_indices is not None:
+        ends = list(split_indices)
+        previous = -1
+        for j, end in enumerate(ends):
+            _check_int(f"split_indices[{j}]", end, minimum=0)
+            if end <= previous or end >= count:
+                raise ValueError(
+                    f"split_indices[{j}]: expected an increasing index in [0, {count - 1}], got {end}"
+                )
+            previous = end
+        ids, group = [], 1
+        for i in range(count):
+            ids.append(group)
+            if group <= len(ends) and i == ends[group - 1]:
+                group += 1
+        return ids
+    _check_int("fusion_type", fusion_type, minimum=0)
+    return [int(fusion_type)] * count
+
+
+def make_plan(
+    params: Sequence[ParamSpec],
+    ids: Sequence[int],
+    bucket_bytes: int,
+    direct_bytes: int,
+    *,
+    reverse: bool = False,
+    first_bucket_bytes: Optional[int] = None,
+    exclude: Sequence[bool] = (),
+    wire_dtype=reduction_dtype,
+) -> tuple[Bucket, ...]:
+    """Group parameters into buckets, deterministically.
+
+    Parameters are visited in index order (or reversed). A parameter with id 0,
+    or of at least ``direct_bytes`` on the wire, gets a bucket of its own (so it
+    can be reduced in place without a copy). The others join the open bucket of
+    their (fusion id, device, dtype), which is closed when the next member would
+    take it past ``bucket_bytes``. Buckets are ordered by their first member.
+    Zero-size and excluded parameters are in no bucket.
+
+    Args:
+        params: shape, dtype and device of each parameter.
+        ids: fusion id of each parameter.
+        bucket_bytes: cap on a fused bucket's wire bytes.
+        direct_bytes: wire size from which a parameter always travels alone.
+        reverse: visit parameters from last to first (backward order).
+        first_bucket_bytes: a smaller cap for the first bucket, so that
+            communication can start early.
+        exclude: per parameter, True to leave it out of every bucket.
+        wire_dtype: maps a parameter dtype to the dtype MPI sums.
+
+    Returns:
+        The buckets.
+    """
+    order = range(len(params) - 1, -1, -1) if reverse else range(len(params))
+    opened: list[list[int]] = []  # members of each bucket, in creation order
+    filled: list[int] = []  # wire bytes of each bucket
+    open_for: dict[tuple, int] = {}  # (id, device, dtype) -> bucket still taking members
+    for i in order:
+        spec = params[i]
+        if spec.size == 0 or (exclude and exclude[i]):
+            continue
+        dtype = np.dtype(spec.dtype)
+        nbytes = spec.size * np.dtype(wire_dtype(dtype)).itemsize
+        key = (ids[i], spec.device, dtype.str, dtype.name)
+        alone = ids[i] == 0 or nbytes >= direct_bytes
+        b = None if alone else open_for.get(key)
+        if b is not None:
+            cap = first_bucket_bytes if b == 0 and first_bucket_bytes is not None else bucket_bytes
+            if filled[b] + nbytes > cap:
+                b = None
+        if b is None:
+            opened.append([])
+            filled.append(0)
+            b = len(opened) - 1
+            if not alone:
+                open_for[key] = b
+        opened[b].append(i)
+        filled[b] += nbytes
+    buckets = []
+    for members in opened:
+        dtype = np.dtype(params[members[0]].dtype)
+        sizes = tuple(params[i].size for i in members)
+        offsets = tuple(int(o) for o in np.cumsum((0,) + sizes[:-1]))
+        buckets.append(
+            Bucket(
+                indices=tuple(members),
+                offsets=offsets,
+                sizes=sizes,
+                dtype=dtype,
+                wire_dtype=np.dtype(wire_dtype(dtype)),
+                device=params[members[0]].device,
+                fusion_id=ids[members[0]],
+            )
+        )
+    return tuple(buckets)
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")

@@ -1,0 +1,429 @@
+"""``DistributedGradReducer``: validate, pack, Allreduce, unpack, in place."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from . import agreement, backend, planning, transport
+from .watchdog import Watchdog
+
+__all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
+
+#: Cap on a fused bucket. See docs/performance.rst for the measurement.
+DEFAULT_BUCKET_BYTES = 4 << 20
+#: Parameters from this size up travel alone and, when contiguous, are reduced
+#: in place without a copy: packing them costs more than a separate message.
+DIRECT_BYTES = 256 << 10
+#: Default watchdog timeout in seconds (torch.distributed's default), unless
+#: the environment variable below says otherwise.
+DEFAULT_TIMEOUT = 1800.0
+TIMEOUT_ENV = "MPI_GRADREDUCER_TIMEOUT"
+
+_VALIDATE_MODES = ("always", "first", "never")
+
+
+@dataclass
+class ReducerStats:
+    """Always-on counters of a reducer (cheap: a few clock reads per bucket).
+
+    Attributes:
+        calls: completed reductions.
+        bytes: bytes handed to MPI, summed over calls.
+        pack_seconds: time spent copying gradients into fusion buffers.
+        allreduce_seconds: time spent in MPI (including in-place scaling).
+        unpack_seconds: time spent copying results back (including scaling).
+    """
+
+    calls: int = 0
+    bytes: int = 0
+    pack_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+
+
+class _BucketState:
+    """A bucket's fusion buffer (allocated on first use, then reused) and views."""
+
+    def __init__(self, bucket: planning.Bucket, shapes: Sequence[tuple[int, ...]]) -> None:
+        self.bucket = bucket
+        self.native = bucket.wire_dtype == bucket.dtype
+        self._shapes = shapes
+        self.buffer: Any = None
+        self.views: list[Any] = []
+
+    def allocate(self) -> Any:
+        """The fusion buffer and one parameter-shaped view of it per member."""
+        if self.buffer is None:
+            b = self.bucket
+            self.buffer = backend.empty(b.count, b.wire_dtype, b.device)
+            self.views = [
+                self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
+            ]
+        return self.buffer
+
+
+class DistributedGradReducer:
+    """Averages lists of gradient arrays across the ranks of an MPI communicator.
+
+    The framework-agnostic counterpart of MindSpore's
+    ``nn.DistributedGradReducer``. Construction is collective over ``group``:
+    every rank must build its reducer from parameters of the same count,
+    shapes and dtypes, in the same order (checked; a difference raises
+    ``ValueError`` on every rank). Each call is collective too.
+
+    Args:
+        parameters: arrays (numpy or cupy) whose count, shapes, dtypes and
+            order fix the reduction plan.
+        mean: multiply the sums by ``1 / degree``.
+        degree: the divisor for ``mean``; defaults to the size of ``group``.
+        fusion_type: fusion id of every parameter (0: never fused).
+        group: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``. The
+            reducer works on its own duplicate of it.
+        fusion: one fusion id per parameter, instead of ``fusion_type``.
+        split_indices: inclusive end indices of consecutive fusion groups
+            (MindSpore's ``all_reduce_fusion_config``).
+        bucket_bytes: cap on a fused bucket, in bytes.
+        skip: one bool per parameter; True leaves that gradient untouched
+            (MindSpore's layer-wise-parallel and parameter-server parameters).
+        validate: ``"always"`` checks every call's gradients and makes all
+            ranks agree on the outcome before any data moves; ``"first"`` does
+            so on the first call only; ``"never"`` only checks locally, so a
+            rank with bad input raises alone and the others are ended by the
+            watchdog.
+        timeout: seconds a collective may take before the watchdog prints a
+            diagnostic and aborts the job; None disables it. Default: the
+            ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
+        check_finite: find out on each call whether any rank's gradients held
+            NaN or Inf; the answer is :attr:`nonfinite`.
+
+    Raises:
+        ValueError: a bad argument, or parameters that differ across ranks.
+        TypeError: an argument of the wrong type, or an unsupported dtype.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[Any],
+        mean: bool = True,
+        degree: Optional[int] = None,
+        fusion_type: int = 1,
+        group: Optional[MPI.Intracomm] = None,
+        *,
+        fusion: Optional[Sequence[int]] = None,
+        split_indices: Optional[Sequence[int]] = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        skip: Optional[Sequence[bool]] = None,
+        validate: str = "always",
+        timeout: Union[float, None, str] = "env",
+        check_finite: bool = False,
+    ) -> None:
+        comm = MPI.COMM_WORLD if group is None else group
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
+        self._comm = comm.Dup()
+        self._watchdog: Optional[Watchdog] = None
+        try:
+            error = None
+            try:
+                self._configure(parameters, mean, degree, fusion_type, fusion, split_indices,
+                                bucket_bytes, skip, validate, timeout, check_finite)
+            except (ValueError, TypeError) as exc:
+                error = exc
+            agreement.raise_if_any(self._comm, error)
+            agreement.check_same(self._comm, self._signature(), self._describe_row, "parameter")
+        except BaseException:
+            self._comm.Free()
+            raise
+        self._plan(self._bucket_bytes)
+        self.stats = ReducerStats()
+        self.nonfinite = False
+        self._calls = 0
+        if self._timeout is not None:
+            self._watchdog = Watchdog(self._timeout, self._abort, self._comm.Get_rank())
+
+    # -- construction -----------------------------------------------------------------
+
+    def _configure(self, parameters, mean, degree, fusion_type, fusion, split_indices,
+                   bucket_bytes, skip, validate, timeout, check_finite) -> None:
+        params = list(parameters)
+        specs = []
+        supported = planning.supported_dtypes()
+        for i, p in enumerate(params):
+            device = backend.device_of(p)
+            if device is None:
+                raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {type(p).__name__}")
+            if p.dtype not in supported:
+                raise TypeError(
+                    f"parameters[{i}]: dtype {p.dtype} is not supported; expected one of "
+                    + ", ".join(d.name for d in supported)
+                )
+            specs.append(planning.ParamSpec(tuple(p.shape), np.dtype(p.dtype), device))
+        self._specs = tuple(specs)
+        if not isinstance(mean, (bool, np.bool_)):
+            raise TypeError(f"mean: expected a bool, got {type(mean).__name__} {mean!r}")
+        self.mean = bool(mean)
+        size = self._comm.Get_size()
+        if degree is None:
+            degree = size
+        elif isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree <= 0:
+            raise ValueError(f"degree: expected a positive int, got {degree!r}")
+        self.degree = int(degree)
+        self._ids = planning.fusion_ids(len(specs), fusion_type, fusion, split_indices)
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
+        self._bucket_bytes = int(bucket_bytes)
+        if skip is None:
+            skip = [False] * len(specs)
+        skip = list(skip)
+        if len(skip) != len(specs):
+            raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
+        self._skip = tuple(bool(s) for s in skip)
+        if validate not in _VALIDATE_MODES:
+            raise ValueError(f"validate: expected one of {_VALIDATE_MODES}, got {validate!r}")
+        self.validate = validate
+        if isinstance(timeout, str) and timeout == "env":
+            timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+            raise ValueError(f"timeout: expected a positive number of seconds or None, got {timeout!r}")
+        self._timeout = None if timeout is None else float(timeout)
+        self.check_finite = bool(check_finite)
+
+    def _signature(self) -> list[tuple[int, ...]]:
+        codes = planning.supported_dtypes()
+        header = (-1, self._bucket_bytes, int(self.mean), self.degree, len(self._specs))
+        rows = [header]
+        for spec, fid, skip in zip(self._specs, self._ids, self._skip):
+            device_kind = 0 if backend.is_host(spec.device) else 1
+            rows.append((codes.index(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))
+        return rows
+
+    def _describe_row(self, index: int, row: tuple[int, ...]) -> str:
+        if index == 0:
+            return "(bucket_bytes={}, mean={}, degree={}, count={})".format(*row[1:])
+        codes = planning.supported_dtypes()
+        dtype, fid, skip, device_kind, ndim, *shape = row
+        return (
+            f"shape {tuple(shape)} {codes[dtype].name} on {'cpu' if device_kind == 0 else 'gpu'} "
+            f"(fusion id {fid}{', skipped' if skip else ''})"
+        )
+
+    def _plan(self, bucket_bytes: int) -> None:
+        buckets = planning.make_plan(
+            self._specs, self._ids, bucket_bytes, DIRECT_BYTES, exclude=self._skip
+        )
+        self._states = [_BucketState(b, [self._specs[i].shape for i in b.indices]) for b in buckets]
+        self._bucketed = tuple(i for b in buckets for i in b.indices)
+        self._checked = tuple(i for i, skip in enumerate(self._skip) if not skip)
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def buckets(self) -> tuple[planning.Bucket, ...]:
+        """The plan: one entry per fused message, in the order they are sent."""
+        return tuple(s.bucket for s in self._states)
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The reducer's own duplicate of ``group``."""
+        return self._comm
+
+    def allocate_grads(self) -> list[Any]:
+        """Gradient arrays that are views into the reducer's fusion buffers.
+
+        Write gradients into these (e.g. ``np.matmul(..., out=g)``) and pass
+        the list back: buckets made of these views are reduced where they lie,
+        with no packing copy (PyTorch DDP's ``gradient_as_bucket_view``).
+
+        Returns:
+            One zero-filled array per parameter, with its shape and dtype.
+        """
+        grads: list[Any] = [None] * len(self._specs)
+        for st in self._states:
+            if st.native:
+                st.allocate()
+                st.buffer[...] = 0
+                for i, v in zip(st.bucket.indices, st.views):
+                    grads[i] = v
+        for i, spec in enumerate(self._specs):
+            if grads[i] is None:
+                grads[i] = backend.empty(spec.size, spec.dtype, spec.device).reshape(spec.shape)
+                grads[i][...] = 0
+        return grads
+
+    def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
+        """Average (or sum) every gradient across the group, in place.
+
+        Args:
+            grads: one array per parameter, matching the plan.
+
+        Returns:
+            ``grads`` itself, its arrays now holding the reduced values.
+
+        Raises:
+            ValueError, TypeError: on every rank when any rank's gradients do
+                not match the plan; no array has been modified on any rank.
+        """
+        self._check(grads)
+        self._calls += 1
+        self.nonfinite = False
+        for k, st in enumerate(self._states):
+            self._reduce_bucket(k, st, grads)
+        self.stats.calls += 1
+        return grads
+
+    def free(self) -> None:
+        """Release the communicator and the watchdog thread (collective)."""
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
+
+    def __enter__(self) -> "DistributedGradReducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    # -- one call ---------------------------------------------------------------------
+
+    def _check(self, grads: Sequence[Any]) -> None:
+        agree = self.validate == "always" or (self.validate == "first" and self._calls == 0)
+        try:
+            error = self._local_error(grads, aliasing=agree)
+        except Exception as exc:  # an unexpected object must not strand the others
+            error = TypeError(f"grads: could not be checked ({exc!r})")
+        if agree:
+            self._collective(lambda: "the validation of the gradients",
+                             agreement.raise_if_any, self._comm, error)
+        elif error is not None:
+            raise error
+
+    def _local_error(self, grads: Sequence[Any], aliasing: bool) -> Optional[Exception]:
+        n = len(self._specs)
+        if len(grads) != n:
+            return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}")
+        for i in self._checked:
+            g, spec = grads[i], self._specs[i]
+            device = backend.device_of(g)
+            if device is None:
+                return TypeError(f"grads[{i}]: expected a numpy or cupy array, got {type(g).__name__}")
+            if g.shape != spec.shape:
+                return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {g.shape}")
+            if g.dtype != spec.dtype:
+                return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
+            if device != spec.device:
+                return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
+            if not g.flags.writeable:
+                return ValueError(
+                    f"grads[{i}] is read-only, but results are written in place; pass a writeable array"
+                )
+        if aliasing:
+            return _aliasing_error(grads, self._bucketed)
+        return None
+
+    def _reduce_bucket(self, k: int, st: _BucketState, grads: Sequence[Any]) -> None:
+        b = st.bucket
+        members = [grads[i] for i in b.indices]
+        scale = 1.0 / self.degree if self.mean else 1.0
+        run = self._in_place_run(st, members)
+        t0 = time.perf_counter()
+        if run is not None:
+            self._allreduce(k, run, scale)
+            t2 = t1 = time.perf_counter()
+        else:
+            st.allocate()
+            for v, g in zip(st.views, members):
+                np.copyto(v, g, casting="same_kind")
+            t1 = time.perf_counter()
+            self._allreduce(k, st.buffer, 1.0)
+            t2 = time.perf_counter()
+            if scale != 1.0:
+                for v, g in zip(st.views, members):
+                    np.multiply(v, scale, out=g, casting="unsafe")
+            else:
+                for v, g in zip(st.views, members):
+                    np.copyto(g, v, casting="unsafe")
+        t3 = time.perf_counter()
+        stats = self.stats
+        stats.bytes += b.nbytes
+        stats.pack_seconds += t1 - t0
+        stats.allreduce_seconds += t2 - t1
+        stats.unpack_seconds += t3 - t2
+
+    def _allreduce(self, k: int, buf: Any, scale: float) -> None:
+        after = self._check_finite_chunk if self.check_finite else None
+        self._collective(lambda: f"call {self._calls}, bucket {k} ({self._states[k].bucket.nbytes} bytes)",
+                         transport.allreduce, self._comm, buf, scale, after=after)
+
+    def _check_finite_chunk(self, chunk: Any) -> None:
+        if not self.nonfinite and not np.isfinite(np.add.reduce(chunk)):
+            self.nonfinite = True
+
+    def _in_place_run(self, st: _BucketState, members: list[Any]) -> Any:
+        """A 1-D view covering all members where they lie, or None if they must be packed."""
+        if not st.native:
+            return None
+        if st.views and all(g is v for g, v in zip(members, st.views)):
+            return st.buffer
+        if len(members) == 1:
+            return backend.flat_view(members[0])
+        return _adjacent_run(members, st.bucket)
+
+    def _collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        wd = self._watchdog
+        if wd is None:
+            return fn(*args, **kwargs)
+        wd.arm(what)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            wd.disarm()
+
+    def _abort(self) -> None:
+        self._comm.Abort(1)
+
+
+def _aliasing_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exception]:
+    """ValueError naming two gradients that share memory, or None."""
+    if len(indices) < 2:
+        return None
+    bounds = np.array([backend.byte_bounds(grads[i]) for i in indices], dtype=np.int64)
+    order = np.argsort(bounds[:, 0], kind="stable")
+    lo, hi = bounds[order, 0], bounds[order, 1]
+    reach = np.maximum.accumulate(hi)
+    for k in np.nonzero(lo[1:] < reach[:-1])[0] + 1:
+        for j in range(k):
+            if hi[j] > lo[k]:
+                a, b = sorted((indices[order[j]], indices[order[k]]))
+                if np.shares_memory(grads[a], grads[b]):
+                    return ValueError(
+                        f"grads[{a}] and grads[{b}] share memory, but results are written in place; "
+                        "pass distinct arrays"
+                    )
+    return None
+
+
+def _adjacent_run(members: list[Any], bucket: planning.Bucket) -> Any:
+    """A view of the members' common base when they lie back to back in bucket order."""
+    base = members[0].base
+    if base is None or not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
+        return None
+    if not base.flags.writeable or base.dtype != bucket.dtype:
+        return None
+    for g in members:
+        if g.base is not base or not g.flags.c_contiguous:
+            return None
+    itemsize = bucket.dtype.itemsize
+    start = members[0].__array_interface__["data"][0]
+    for g, off in zip(members, bucket.offsets):
+        if g.__array_interface__["data"][0] != start + off * itemsize:
+            return None
+    first = (start - base.__array_interface__["data"][0]) // itemsize
+    return base.reshape(-1)[first : first + bucket.count]
