@@ -5,7 +5,7 @@ All traffic is buffer-based (no pickling of data from other ranks).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -65,7 +65,12 @@ def raise_if_any(
     raise exc from (error if rank == failed else None)
 
 
-def check_same(comm: MPI.Comm, rows: Sequence[Sequence[int]], describe, what: str) -> None:
+def check_same(
+    comm: MPI.Comm,
+    rows: Sequence[Sequence[int]],
+    describe: Callable[[int, tuple[int, ...]], str],
+    name: Callable[[int], str],
+) -> None:
     """Raise ``ValueError`` on every rank unless every rank has equal ``rows``.
 
     Rank 0's rows are broadcast; every rank compares its own; the lowest rank
@@ -76,10 +81,10 @@ def check_same(comm: MPI.Comm, rows: Sequence[Sequence[int]], describe, what: st
         comm: the communicator whose ranks must agree.
         rows: this rank's signature, one tuple of ints per item.
         describe: maps ``(row_index, row)`` to a readable description.
-        what: names the item, e.g. ``"parameter"``.
+        name: maps a row index to what the row is, e.g. ``"parameter 3"``.
 
     Raises:
-        ValueError: naming the item index and both ranks' descriptions.
+        ValueError: naming the item and both ranks' descriptions.
     """
     size = comm.Get_size()
     if size == 1:
@@ -111,8 +116,8 @@ def check_same(comm: MPI.Comm, rows: Sequence[Sequence[int]], describe, what: st
     first, bad_count = int(info[0]), int(info[1])
     if first >= len(root_rows) or first >= bad_count:
         raise ValueError(
-            f"{what}s differ across ranks: {len(root_rows)} at rank 0 but {bad_count} at rank {bad}; "
-            f"build the same {what}s, in the same order, on every rank"
+            f"the ranks disagree: {len(root_rows)} rows at rank 0 but {bad_count} at rank {bad}; "
+            "pass the same arrays, in the same order, on every rank"
         )
     width = np.array([len(rows[first]) if comm.Get_rank() == bad else 0], dtype=np.int64)
     comm.Bcast(width, root=bad)
@@ -121,9 +126,9 @@ def check_same(comm: MPI.Comm, rows: Sequence[Sequence[int]], describe, what: st
         row[:] = rows[first]
     comm.Bcast(row, root=bad)
     raise ValueError(
-        f"{what}s differ across ranks: {what} {first} is {describe(first, tuple(root_rows[first]))} "
+        f"the ranks disagree: {name(first)} is {describe(first, tuple(root_rows[first]))} "
         f"at rank 0 but {describe(first, tuple(int(v) for v in row))} at rank {bad}; "
-        f"build the same {what}s, in the same order, on every rank"
+        "pass the same arrays and options, in the same order, on every rank"
     )
 
 

@@ -80,7 +80,7 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: Optional[M
     except (TypeError, ValueError) as exc:
         error = exc
     agreement.raise_if_any(comm, error, checks=(int(root),))
-    agreement.check_same(comm, rows, lambda i, r: f"shape {tuple(r[2:])} (dtype code {r[0]})", "array")
+    agreement.check_same(comm, rows, lambda i, r: f"shape {tuple(r[2:])} (dtype code {r[0]})", lambda i: f"arrays[{i}]")
     for a in arrays:
         flat = backend.flat_view(a)
         if flat is not None:

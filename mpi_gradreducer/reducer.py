@@ -136,7 +136,8 @@ class DistributedGradReducer:
             except (ValueError, TypeError) as exc:
                 error = exc
             agreement.raise_if_any(self._comm, error)
-            agreement.check_same(self._comm, self._signature(), self._describe_row, "parameter")
+            agreement.check_same(self._comm, self._signature(), self._describe_row,
+                                 lambda i: f"parameter {i - 1}" if i else "the configuration")
         except BaseException:
             self._comm.Free()
             raise
@@ -196,7 +197,7 @@ class DistributedGradReducer:
 
     def _signature(self) -> list[tuple[int, ...]]:
         codes = planning.supported_dtypes()
-        header = (-1, self._bucket_bytes, int(self.mean), self.degree, len(self._specs))
+        header = (len(self._specs), self._bucket_bytes, int(self.mean), self.degree)
         rows = [header]
         for spec, fid, skip in zip(self._specs, self._ids, self._skip):
             device_kind = 0 if backend.is_host(spec.device) else 1
@@ -205,7 +206,7 @@ class DistributedGradReducer:
 
     def _describe_row(self, index: int, row: tuple[int, ...]) -> str:
         if index == 0:
-            return "(bucket_bytes={}, mean={}, degree={}, count={})".format(*row[1:])
+            return "(parameters={}, bucket_bytes={}, mean={}, degree={})".format(*row)
         codes = planning.supported_dtypes()
         dtype, fid, skip, device_kind, ndim, *shape = row
         return (

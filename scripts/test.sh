@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The whole test suite, on a fresh machine with only Python 3 and pip:
+# installs the package with MPICH from PyPI into .venv, then runs the
+# collective tests under mpiexec with 4 and 3 ranks, then everything in one
+# process (unit tests, size-1 runs, and the tests that launch whole MPI jobs).
+# Every run has a hard time limit: a hang fails the suite instead of stalling it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${MPI_GRADREDUCER_VENV:-.venv}
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test]"
+export PATH="$PWD/$venv/bin:$PATH"
+pytest=(python -m pytest -q -p no:cacheprovider tests)
+for n in 4 3; do
+  echo "== mpiexec -n $n: collective tests"
+  timeout --kill-after=10 900 mpiexec -n "$n" "${pytest[@]}" --only-mpi
+done
+echo "== one process: all tests"
+timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi

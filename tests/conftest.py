@@ -1,0 +1,68 @@
+"""Shared fixtures, and the rule that a failure on one rank ends the whole job.
+
+Collective tests are marked ``mpi`` and run under ``mpiexec -n N python -m
+pytest --only-mpi`` (and at size 1 with ``--with-mpi``). When a test fails on
+one rank while the others go on to the next collective, the job would hang:
+instead the failing rank prints its report to stderr and aborts the job.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and WORLD.Get_size() > 1:
+        sys.stderr.write(
+            f"\n=== rank {WORLD.Get_rank()} of {WORLD.Get_size()}: {item.nodeid} failed "
+            f"({report.when}); aborting the job so that no rank hangs ===\n{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
+def _sub_even_odd() -> MPI.Intracomm:
+    return WORLD.Split(WORLD.Get_rank() % 2, WORLD.Get_rank())
+
+
+@pytest.fixture(params=["world", "self", "dup"])
+def comm(request: pytest.FixtureRequest):
+    """The same test body over several communicators (mpi4py's habit)."""
+    if request.param == "world":
+        yield WORLD
+    elif request.param == "self":
+        yield MPI.COMM_SELF
+    else:
+        c = WORLD.Dup()
+        yield c
+        c.Free()
+
+
+def rank_value(comm: MPI.Comm, k: float = 0.0) -> float:
+    """ChainerMN's oracle: rank r contributes r + k."""
+    return comm.Get_rank() + k
+
+
+def expected_mean(comm: MPI.Comm, k: float = 0.0) -> float:
+    """The mean of r + k over the ranks of ``comm``."""
+    return (comm.Get_size() - 1) / 2 + k
+
+
+def assert_same_on_all_ranks(comm: MPI.Comm, arrays) -> None:
+    """Every rank holds bitwise the same bytes (checked by rank 0's copy)."""
+    blob = np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.uint8)
+    root = blob.copy()
+    comm.Bcast(root, root=0)
+    same = np.array([int(np.array_equal(root, blob))], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, same, op=MPI.MIN)
+    assert same[0] == 1, "results differ between ranks"
