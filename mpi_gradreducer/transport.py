@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
 from typing import Any, Callable, Optional
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CHUNK_BYTES", "allreduce"]
+__all__ = ["CHUNK_BYTES", "CUDA_AWARE_ENV", "allreduce", "cuda_support"]
+
+#: Environment variable that overrides the detected CUDA-awareness ("0" or "1").
+CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
 
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
@@ -45,3 +50,52 @@ def allreduce(
             np.multiply(chunk, scale, out=chunk)
         if after is not None:
             after(chunk)
+
+
+def cuda_support() -> tuple[Optional[bool], str]:
+    """Whether the loaded MPI library accepts CUDA device buffers, and how we know.
+
+    The environment variable ``MPI_GRADREDUCER_CUDA_AWARE`` (``0`` or ``1``)
+    wins; otherwise the MPI library is asked through ctypes:
+    ``MPIX_GPU_query_support`` (MPICH) or ``MPIX_Query_cuda_support``
+    (Open MPI and MPICH).
+
+    Returns:
+        ``(answer, source)``: answer is None when nothing could tell.
+    """
+    env = os.environ.get(CUDA_AWARE_ENV)
+    if env is not None:
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_ENV}: expected 0 or 1, got {env!r}")
+        return env.strip() == "1", f"the environment variable {CUDA_AWARE_ENV}={env.strip()}"
+    for lib in _loaded_mpi_libraries():
+        query = getattr(lib, "MPIX_GPU_query_support", None)
+        if query is not None:
+            flag = ctypes.c_int(0)
+            if query(0, ctypes.byref(flag)) == 0:  # 0: MPIX_GPU_SUPPORT_CUDA
+                return bool(flag.value), "MPIX_GPU_query_support(CUDA)"
+        query = getattr(lib, "MPIX_Query_cuda_support", None)
+        if query is not None:
+            return bool(query()), "MPIX_Query_cuda_support()"
+    return None, "the MPI library offers no query"
+
+
+def _loaded_mpi_libraries() -> list[ctypes.CDLL]:
+    """The MPI shared libraries mapped into this process (Linux), else the global namespace."""
+    paths: list[str] = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                name = os.path.basename(path)
+                if name.startswith(("libmpi.", "libmpi_", "libmpich")) and path not in paths:
+                    paths.append(path)
+    except OSError:
+        pass
+    libs = []
+    for path in paths or [None]:
+        try:
+            libs.append(ctypes.CDLL(path))
+        except OSError:
+            continue
+    return libs
