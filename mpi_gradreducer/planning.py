@@ -214,7 +214,7 @@ def make_plan(
         alone = ids[i] == 0 or nbytes >= direct_bytes
         b = None if alone else open_for.get(key)
         if b is not None:
-            cap = first_bucket_bytes if b == 0 and first_bucket_bytes is not None else bucket_bytes
+            cap = min(first_bucket_bytes, bucket_bytes) if b == 0 and first_bucket_bytes else bucket_bytes
             if filled[b] + nbytes > cap:
                 b = None
         if b is None:

@@ -11,6 +11,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend, planning, transport
+from .fusion import FusionBuffer
+from .steps import CommThread, ReductionStep
 from .watchdog import Watchdog
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
@@ -20,6 +22,9 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 #: Parameters from this size up travel alone and, when contiguous, are reduced
 #: in place without a copy: packing them costs more than a separate message.
 DIRECT_BYTES = 256 << 10
+#: Cap on the first bucket (in backward order), so that overlapped
+#: communication starts early, as PyTorch DDP does.
+FIRST_BUCKET_BYTES = 1 << 20
 #: Default watchdog timeout in seconds (torch.distributed's default), unless
 #: the environment variable below says otherwise.
 DEFAULT_TIMEOUT = 1800.0
@@ -45,27 +50,6 @@ class ReducerStats:
     pack_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     unpack_seconds: float = 0.0
-
-
-class _BucketState:
-    """A bucket's fusion buffer (allocated on first use, then reused) and views."""
-
-    def __init__(self, bucket: planning.Bucket, shapes: Sequence[tuple[int, ...]]) -> None:
-        self.bucket = bucket
-        self.native = bucket.wire_dtype == bucket.dtype
-        self._shapes = shapes
-        self.buffer: Any = None
-        self.views: list[Any] = []
-
-    def allocate(self) -> Any:
-        """The fusion buffer and one parameter-shaped view of it per member."""
-        if self.buffer is None:
-            b = self.bucket
-            self.buffer = backend.empty(b.count, b.wire_dtype, b.device)
-            self.views = [
-                self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
-            ]
-        return self.buffer
 
 
 class DistributedGradReducer:
@@ -145,6 +129,9 @@ class DistributedGradReducer:
         self.stats = ReducerStats()
         self.nonfinite = False
         self._calls = 0
+        self._active: Optional[ReductionStep] = None
+        self._control: Optional[MPI.Intracomm] = None
+        self._thread: Optional[CommThread] = None
         if self._timeout is not None:
             self._watchdog = Watchdog(self._timeout, self._abort, self._comm.Get_rank())
 
@@ -216,9 +203,14 @@ class DistributedGradReducer:
 
     def _plan(self, bucket_bytes: int) -> None:
         buckets = planning.make_plan(
-            self._specs, self._ids, bucket_bytes, DIRECT_BYTES, exclude=self._skip
+            self._specs, self._ids, bucket_bytes, DIRECT_BYTES,
+            reverse=True, first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=self._skip,
         )
-        self._states = [_BucketState(b, [self._specs[i].shape for i in b.indices]) for b in buckets]
+        self._fusion = [FusionBuffer(b, [self._specs[i].shape for i in b.indices]) for b in buckets]
+        self._bucket_of = [-1] * len(self._specs)
+        for k, b in enumerate(buckets):
+            for i in b.indices:
+                self._bucket_of[i] = k
         self._bucketed = tuple(i for b in buckets for i in b.indices)
         self._checked = tuple(i for i, skip in enumerate(self._skip) if not skip)
 
@@ -227,7 +219,7 @@ class DistributedGradReducer:
     @property
     def buckets(self) -> tuple[planning.Bucket, ...]:
         """The plan: one entry per fused message, in the order they are sent."""
-        return tuple(s.bucket for s in self._states)
+        return tuple(f.bucket for f in self._fusion)
 
     @property
     def comm(self) -> MPI.Intracomm:
@@ -245,11 +237,10 @@ class DistributedGradReducer:
             One zero-filled array per parameter, with its shape and dtype.
         """
         grads: list[Any] = [None] * len(self._specs)
-        for st in self._states:
-            if st.native:
-                st.allocate()
-                st.buffer[...] = 0
-                for i, v in zip(st.bucket.indices, st.views):
+        for f in self._fusion:
+            if f.native:
+                f.allocate()[...] = 0
+                for i, v in zip(f.bucket.indices, f.views):
                     grads[i] = v
         for i, spec in enumerate(self._specs):
             if grads[i] is None:
@@ -269,22 +260,64 @@ class DistributedGradReducer:
         Raises:
             ValueError, TypeError: on every rank when any rank's gradients do
                 not match the plan; no array has been modified on any rank.
+            RuntimeError: when an asynchronous reduction is still in flight.
         """
-        self._check(grads)
-        self._calls += 1
-        self.nonfinite = False
-        for k, st in enumerate(self._states):
-            self._reduce_bucket(k, st, grads)
-        self.stats.calls += 1
+        self._start(grads)
+        for k in range(len(self._fusion)):
+            self._run_bucket(k, grads)
+        self._finish()
         return grads
 
+    def begin(self, grads: Sequence[Any]) -> ReductionStep:
+        """Start a reduction whose buckets launch as their gradients become ready.
+
+        Call ``step.ready(i)`` as soon as ``grads[i]`` is final (for example
+        layer by layer during backward); each bucket is reduced, on a
+        communication thread, as soon as all of its members are ready. Then
+        ``step.wait()`` finishes and returns ``grads``. Results are bitwise
+        identical to the blocking call. Do not write to a gradient after
+        declaring it ready, nor call the reducer again before ``wait()``.
+
+        Args:
+            grads: one array per parameter, matching the plan; validated now,
+                collectively, as by the blocking call.
+
+        Returns:
+            The step in flight.
+        """
+        self._start(grads)
+        if self._control is None:
+            self._control = self._comm.Dup()
+        if self._thread is None and MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+            self._thread = CommThread()
+        self._active = ReductionStep(
+            grads, self._bucket_of, [len(f.bucket.indices) for f in self._fusion], self._launch, self._complete
+        )
+        return self._active
+
+    def reduce_async(self, grads: Sequence[Any]) -> ReductionStep:
+        """Start reducing all of ``grads`` in the background.
+
+        Returns:
+            A handle: ``handle.wait()`` returns the reduced ``grads``;
+            ``handle.done()`` tells whether the communication has finished.
+        """
+        step = self.begin(grads)
+        step.mark_all_ready()
+        return step
+
     def free(self) -> None:
-        """Release the communicator and the watchdog thread (collective)."""
+        """Release the communicators and threads (collective). Idempotent."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
-        if self._comm != MPI.COMM_NULL:
-            self._comm.Free()
+        for comm in (self._control, self._comm):
+            if comm is not None and comm != MPI.COMM_NULL:
+                comm.Free()
+        self._control = None
 
     def __enter__(self) -> "DistributedGradReducer":
         return self
@@ -293,6 +326,57 @@ class DistributedGradReducer:
         self.free()
 
     # -- one call ---------------------------------------------------------------------
+
+    def _start(self, grads: Sequence[Any]) -> None:
+        if self._active is not None:
+            raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
+        if self._comm == MPI.COMM_NULL:
+            raise RuntimeError("this reducer was freed")
+        self._check(grads)
+        self._calls += 1
+        self.nonfinite = False
+
+    def _finish(self) -> None:
+        self.stats.calls += 1
+
+    def _launch(self, step: ReductionStep, batch: list[int]) -> None:
+        for k in batch:
+            if self._thread is None:
+                self._run_bucket_of(step, k)
+            else:
+                self._thread.submit(lambda k=k: self._run_bucket_of(step, k))
+
+    def _run_bucket_of(self, step: ReductionStep, k: int) -> None:
+        try:
+            self._run_bucket(k, step.grads)
+        except BaseException as exc:  # reported by wait(); the other buckets still run
+            step.bucket_finished(exc)
+        else:
+            step.bucket_finished()
+
+    def _complete(self, step: ReductionStep) -> Sequence[Any]:
+        missing = step.not_ready()
+        if self._comm.Get_size() > 1:
+            counts = np.zeros(self._comm.Get_size(), dtype=np.int64)
+            self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
+        else:
+            counts = np.array([len(missing)], dtype=np.int64)
+        if counts.any():
+            step.mark_all_ready()  # every rank still issues every collective: no one hangs
+        try:
+            step.join()
+        finally:
+            self._active = None
+        if counts.any():
+            ranks = ", ".join(f"rank {r} ({c})" for r, c in enumerate(counts) if c)
+            raise RuntimeError(
+                f"wait() was called before ready() for every gradient on {ranks}"
+                + (f"; here: grads{missing[:8]}" if missing else "")
+                + ". The buckets were reduced anyway, with the values those gradients held at wait(), "
+                "so that no rank hangs; call ready(i) for every gradient before wait()"
+            )
+        self._finish()
+        return step.grads
 
     def _check(self, grads: Sequence[Any]) -> None:
         agree = self.validate == "always" or (self.validate == "first" and self._calls == 0)
@@ -329,53 +413,37 @@ class DistributedGradReducer:
             return _aliasing_error(grads, self._bucketed)
         return None
 
-    def _reduce_bucket(self, k: int, st: _BucketState, grads: Sequence[Any]) -> None:
-        b = st.bucket
-        members = [grads[i] for i in b.indices]
+    def _run_bucket(self, k: int, grads: Sequence[Any]) -> None:
+        """Reduce bucket ``k`` of ``grads``: in place where possible, else pack, sum, unpack."""
+        f = self._fusion[k]
+        members = [grads[i] for i in f.bucket.indices]
         scale = 1.0 / self.degree if self.mean else 1.0
-        run = self._in_place_run(st, members)
+        run = f.in_place(members)
         t0 = time.perf_counter()
         if run is not None:
             self._allreduce(k, run, scale)
             t2 = t1 = time.perf_counter()
         else:
-            st.allocate()
-            for v, g in zip(st.views, members):
-                np.copyto(v, g, casting="same_kind")
+            f.pack(members)
             t1 = time.perf_counter()
-            self._allreduce(k, st.buffer, 1.0)
+            self._allreduce(k, f.buffer, 1.0)
             t2 = time.perf_counter()
-            if scale != 1.0:
-                for v, g in zip(st.views, members):
-                    np.multiply(v, scale, out=g, casting="unsafe")
-            else:
-                for v, g in zip(st.views, members):
-                    np.copyto(g, v, casting="unsafe")
+            f.unpack(members, scale)
         t3 = time.perf_counter()
         stats = self.stats
-        stats.bytes += b.nbytes
+        stats.bytes += f.bucket.nbytes
         stats.pack_seconds += t1 - t0
         stats.allreduce_seconds += t2 - t1
         stats.unpack_seconds += t3 - t2
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
         after = self._check_finite_chunk if self.check_finite else None
-        self._collective(lambda: f"call {self._calls}, bucket {k} ({self._states[k].bucket.nbytes} bytes)",
+        self._collective(lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)",
                          transport.allreduce, self._comm, buf, scale, after=after)
 
     def _check_finite_chunk(self, chunk: Any) -> None:
         if not self.nonfinite and not np.isfinite(np.add.reduce(chunk)):
             self.nonfinite = True
-
-    def _in_place_run(self, st: _BucketState, members: list[Any]) -> Any:
-        """A 1-D view covering all members where they lie, or None if they must be packed."""
-        if not st.native:
-            return None
-        if st.views and all(g is v for g, v in zip(members, st.views)):
-            return st.buffer
-        if len(members) == 1:
-            return backend.flat_view(members[0])
-        return _adjacent_run(members, st.bucket)
 
     def _collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         wd = self._watchdog
@@ -409,22 +477,3 @@ def _aliasing_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Ex
                         "pass distinct arrays"
                     )
     return None
-
-
-def _adjacent_run(members: list[Any], bucket: planning.Bucket) -> Any:
-    """A view of the members' common base when they lie back to back in bucket order."""
-    base = members[0].base
-    if base is None or not isinstance(base, np.ndarray) or not base.flags.c_contiguous:
-        return None
-    if not base.flags.writeable or base.dtype != bucket.dtype:
-        return None
-    for g in members:
-        if g.base is not base or not g.flags.c_contiguous:
-            return None
-    itemsize = bucket.dtype.itemsize
-    start = members[0].__array_interface__["data"][0]
-    for g, off in zip(members, bucket.offsets):
-        if g.__array_interface__["data"][0] != start + off * itemsize:
-            return None
-    first = (start - base.__array_interface__["data"][0]) // itemsize
-    return base.reshape(-1)[first : first + bucket.count]

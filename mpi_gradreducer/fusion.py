@@ -1,0 +1,97 @@
+"""A bucket's fusion buffer and the copies in and out of it."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from . import backend
+from .planning import Bucket
+
+__all__ = ["FusionBuffer"]
+
+
+class FusionBuffer:
+    """Owns one bucket's buffer (allocated on first use, then reused) and its views.
+
+    Args:
+        bucket: the bucket from the plan.
+        shapes: the shape of each member, in bucket order.
+    """
+
+    def __init__(self, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> None:
+        self.bucket = bucket
+        #: True when MPI sums the members' own dtype, so that they can be
+        #: reduced where they lie instead of being packed.
+        self.native = bucket.wire_dtype == bucket.dtype
+        # Scaling is computed in the wider of the two dtypes, then cast.
+        self._compute_dtype = np.promote_types(bucket.dtype, bucket.wire_dtype)
+        self._shapes = tuple(shapes)
+        self.buffer: Any = None
+        self.views: list[Any] = []
+
+    def allocate(self) -> Any:
+        """The buffer, allocated on the first call."""
+        if self.buffer is None:
+            b = self.bucket
+            self.buffer = backend.empty(b.count, b.wire_dtype, b.device)
+            self.views = [
+                self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
+            ]
+        return self.buffer
+
+    def in_place(self, members: Sequence[Any]) -> Optional[Any]:
+        """A 1-D view over all members where they lie, or None when they must be packed.
+
+        That is the case for the reducer's own views (``allocate_grads``), for a
+        single C-contiguous member, and for members lying back to back, in
+        bucket order, in one C-contiguous base array.
+        """
+        if not self.native:
+            return None
+        if self.views and all(g is v for g, v in zip(members, self.views)):
+            return self.buffer
+        if len(members) == 1:
+            return backend.flat_view(members[0])
+        return _adjacent_run(members, self.bucket)
+
+    def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> None:
+        """Copy (and cast, and scale) the members into the buffer."""
+        self.allocate()
+        for k, (v, g) in enumerate(zip(self.views, members)):
+            if skip and skip[k]:
+                continue
+            if scale == 1.0:
+                np.copyto(v, g, casting="unsafe")
+            else:
+                np.multiply(g, scale, out=v, dtype=self._compute_dtype, casting="unsafe")
+
+    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> None:
+        """Copy (and cast, and scale) the reduced buffer back into the members."""
+        for k, (v, g) in enumerate(zip(self.views, members)):
+            if skip and skip[k]:
+                continue
+            if scale == 1.0:
+                np.copyto(g, v, casting="unsafe")
+            else:
+                np.multiply(v, scale, out=g, dtype=self._compute_dtype, casting="unsafe")
+
+
+def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Optional[Any]:
+    """A view of the members' common base when they lie back to back in bucket order."""
+    base = members[0].base
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous or not base.flags.writeable:
+        return None
+    if base.dtype != bucket.dtype:
+        return None
+    for g in members:
+        if g.base is not base or not g.flags.c_contiguous:
+            return None
+    itemsize = bucket.dtype.itemsize
+    start = members[0].__array_interface__["data"][0]
+    for g, off in zip(members, bucket.offsets):
+        if g.__array_interface__["data"][0] != start + off * itemsize:
+            return None
+    first = (start - base.__array_interface__["data"][0]) // itemsize
+    return base.reshape(-1)[first : first + bucket.count]

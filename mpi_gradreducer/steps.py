@@ -1,0 +1,155 @@
+"""Reductions in flight: per-gradient readiness, in-order launch, a communication thread."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+__all__ = ["CommThread", "ReductionStep"]
+
+
+class CommThread:
+    """A daemon thread that runs submitted jobs one after the other, in order.
+
+    MPI calls made from it release the GIL, so communication proceeds while the
+    training thread computes. The thread starts on the first submission and is
+    stopped by :meth:`close`, or at interpreter exit, before MPI is finalized.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._finalizer: Optional[weakref.finalize] = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        """Run ``job()`` on the thread after the jobs submitted before it."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._jobs,), name="mpi_gradreducer-comm", daemon=True)
+            self._thread.start()
+            self._finalizer = weakref.finalize(self, _stop, self._jobs, self._thread)
+        self._jobs.put(job)
+
+    def close(self) -> None:
+        """Finish the submitted jobs and stop the thread."""
+        if self._finalizer is not None:
+            self._finalizer()
+        self._thread = self._finalizer = None
+
+
+def _serve(jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        job()
+
+
+def _stop(jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]", thread: threading.Thread) -> None:
+    jobs.put(None)
+    thread.join()
+
+
+class ReductionStep:
+    """One reduction in flight, returned by ``begin()`` and ``reduce_async()``.
+
+    Buckets are launched strictly in plan order, each as soon as all of its
+    members and all earlier buckets are ready, so that every rank issues the
+    same collectives in the same order whatever order ``ready`` is called in.
+
+    Args:
+        grads: the gradients being reduced.
+        bucket_of: for each gradient index, its bucket, or -1 if it is in none.
+        members: the number of members of each bucket.
+        launch: starts the given buckets (in order).
+        complete: called by :meth:`wait` to finish the step; returns ``grads``.
+    """
+
+    def __init__(
+        self,
+        grads: Sequence[Any],
+        bucket_of: Sequence[int],
+        members: Sequence[int],
+        launch: Callable[["ReductionStep", list[int]], None],
+        complete: Callable[["ReductionStep"], Sequence[Any]],
+    ) -> None:
+        self.grads = grads
+        self._bucket_of = bucket_of
+        self._missing = list(members)
+        self._is_ready = [False] * len(bucket_of)
+        self._launch = launch
+        self._complete = complete
+        self._next = 0
+        self._finished = 0
+        self._errors: list[BaseException] = []
+        self._cond = threading.Condition()
+        self._result: Optional[Sequence[Any]] = None
+
+    def ready(self, index: int) -> None:
+        """Declare ``grads[index]`` final; launches every bucket that became ready.
+
+        Raises:
+            IndexError: ``index`` is not a gradient index.
+            ValueError: ``index`` was already declared ready.
+        """
+        if not 0 <= index < len(self._is_ready):
+            raise IndexError(f"ready({index}): expected a gradient index in [0, {len(self._is_ready) - 1}]")
+        if self._is_ready[index]:
+            raise ValueError(f"ready({index}) was already called in this step; call it once per gradient")
+        self._is_ready[index] = True
+        k = self._bucket_of[index]
+        if k >= 0:
+            self._missing[k] -= 1
+            if k == self._next:
+                self._launch_ready()
+
+    def not_ready(self) -> list[int]:
+        """Indices not yet declared ready."""
+        return [i for i, r in enumerate(self._is_ready) if not r]
+
+    def mark_all_ready(self) -> None:
+        """Declare every remaining gradient ready."""
+        for i in self.not_ready():
+            self.ready(i)
+
+    def done(self) -> bool:
+        """True when every bucket has been reduced (``wait`` will not block on MPI)."""
+        with self._cond:
+            return self._finished == len(self._missing)
+
+    def wait(self) -> Sequence[Any]:
+        """Finish the reduction and return the gradients, reduced in place.
+
+        Raises:
+            RuntimeError: on every rank, when some rank called ``wait`` before
+                declaring all of its gradients ready (the reduction is still
+                completed with the values they held, so that no rank hangs).
+        """
+        if self._result is None:
+            self._result = self._complete(self)
+        return self._result
+
+    def join(self) -> None:
+        """Block until every launched bucket has finished; re-raise a bucket's error."""
+        with self._cond:
+            while self._finished < self._next:
+                self._cond.wait()
+        if self._errors:
+            raise self._errors[0]
+
+    def bucket_finished(self, error: Optional[BaseException] = None) -> None:
+        """Called once per bucket by whoever reduced it."""
+        with self._cond:
+            self._finished += 1
+            if error is not None:
+                self._errors.append(error)
+            self._cond.notify_all()
+
+    def _launch_ready(self) -> None:
+        batch = []
+        while self._next < len(self._missing) and self._missing[self._next] == 0:
+            batch.append(self._next)
+            self._next += 1
+        if batch:
+            self._launch(self, batch)

@@ -1,0 +1,125 @@
+"""Asynchronous reduction and per-gradient readiness."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
+from mpi_gradreducer import DistributedGradReducer
+
+SHAPES = [(40, 30), (30,), (300, 1024), (7,), (), (64, 64), (5, 0), (1000,)]
+
+
+def _params():
+    return [np.zeros(s, np.float32) for s in SHAPES]
+
+
+def _grads(seed):
+    rng = np.random.default_rng(seed + 1000 * WORLD.Get_rank())
+    return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
+
+
+@pytest.mark.mpi
+def test_async_and_readiness_match_the_blocking_call_bitwise():
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+        assert len(reducer.buckets) > 3
+        for seed in range(3):
+            expected = reducer(_grads(seed))
+            handle = reducer.reduce_async(_grads(seed))
+            got = handle.wait()
+            assert handle.done()
+            for e, g in zip(expected, got):
+                assert e.tobytes() == g.tobytes()
+            # Readiness in a different order on every rank.
+            grads = _grads(seed)
+            step = reducer.begin(grads)
+            order = np.random.default_rng(seed + 7 * WORLD.Get_rank()).permutation(len(SHAPES))
+            for i in order:
+                step.ready(int(i))
+            assert step.wait() is grads
+            for e, g in zip(expected, grads):
+                assert e.tobytes() == g.tobytes()
+            assert_same_on_all_ranks(WORLD, grads)
+
+
+@pytest.mark.mpi
+def test_buckets_launch_before_wait_and_done_polls():
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+        grads = [np.full(s, rank_value(WORLD, 2.0), np.float32) for s in SHAPES]
+        step = reducer.begin(grads)
+        for i in range(len(SHAPES)):
+            step.ready(i)
+        deadline = time.monotonic() + 30
+        while not step.done():  # communication completes without wait()
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        step.wait()
+        for g in grads:
+            np.testing.assert_allclose(g, expected_mean(WORLD, 2.0), rtol=1e-6)
+
+
+@pytest.mark.mpi
+def test_readiness_errors():
+    with DistributedGradReducer(_params()) as reducer:
+        step = reducer.begin(_grads(0))
+        step.ready(3)
+        with pytest.raises(ValueError, match=r"ready\(3\) was already called"):
+            step.ready(3)
+        with pytest.raises(IndexError, match=r"ready\(8\): expected a gradient index in \[0, 7\]"):
+            step.ready(8)
+        with pytest.raises(RuntimeError, match="still in flight"):
+            reducer(_grads(0))
+        step.mark_all_ready()
+        step.wait()
+        reducer(_grads(0))  # usable again
+
+
+@pytest.mark.mpi
+def test_wait_before_ready_raises_on_every_rank_without_hanging():
+    last = WORLD.Get_size() - 1
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+        step = reducer.begin(_grads(1))
+        for i in range(len(SHAPES)):
+            if not (WORLD.Get_rank() == last and i in (2, 5)):
+                step.ready(i)
+        with pytest.raises(RuntimeError, match=rf"wait\(\) was called before ready\(\) for every gradient on rank {last} \(2\)"):
+            step.wait()
+        grads = reducer(_grads(2))  # still in step on every rank
+        assert_same_on_all_ranks(WORLD, grads)
+
+
+@pytest.mark.mpi
+def test_free_stops_the_communication_thread():
+    before = threading.active_count()
+    reducer = DistributedGradReducer(_params())
+    reducer.reduce_async(_grads(0)).wait()
+    reducer.free()
+    reducer.free()  # idempotent
+    assert threading.active_count() <= before
+
+
+def test_interpreter_exits_cleanly_with_a_live_reducer(tmp_path):
+    """No thread or request left behind, no hang at exit, even without free()."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi_gradreducer import DistributedGradReducer\n"
+        "r = DistributedGradReducer([np.zeros(10), np.zeros((300, 1024))], timeout=30)\n"
+        "h = r.reduce_async([np.ones(10), np.ones((300, 1024))])\n"
+        "h.wait()\n"
+        "s = r.begin([np.ones(10), np.ones((300, 1024))])\n"
+        "s.ready(1)\n"
+        "print('exiting', flush=True)\n"
+    )
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    cmd = [mpiexec, "-n", "2", sys.executable, str(script)] if os.path.exists(mpiexec) else [sys.executable, str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("exiting") == (2 if len(cmd) > 2 else 1)
