@@ -10,7 +10,7 @@ Example::
     reducer(grads)  # averaged across ranks, in place
 """
 
-from .groups import broadcast_parameters, create_group
+from .groups import broadcast_parameters, create_group, local_rank, select_device
 from .planning import Bucket
 from .reducer import DistributedGradReducer, ReducerStats
 
@@ -22,5 +22,7 @@ __all__ = [
     "ReducerStats",
     "broadcast_parameters",
     "create_group",
+    "local_rank",
+    "select_device",
     "__version__",
 ]

@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from . import agreement, backend
 
-__all__ = ["create_group", "broadcast_parameters"]
+__all__ = ["create_group", "broadcast_parameters", "local_rank", "select_device"]
 
 
 def create_group(ranks: Sequence[int], comm: Optional[MPI.Intracomm] = None) -> Optional[MPI.Intracomm]:
@@ -98,3 +98,43 @@ def _digest(values: Sequence[Any]) -> int:
 
     text = repr(list(values)).encode()
     return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
+
+
+def local_rank(comm: Optional[MPI.Intracomm] = None) -> tuple[int, int]:
+    """This rank's index among the ranks of ``comm`` on the same node (collective).
+
+    Returns:
+        ``(local_rank, ranks_on_this_node)``.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        return node.Get_rank(), node.Get_size()
+    finally:
+        node.Free()
+
+
+def select_device(comm: Optional[MPI.Intracomm] = None) -> int:
+    """Make GPU ``local_rank % device_count`` cupy's current device (collective).
+
+    Ranks on one node spread over its GPUs; with more ranks than GPUs, several
+    ranks share one.
+
+    Returns:
+        The device id chosen.
+
+    Raises:
+        RuntimeError: when cupy is not installed or sees no GPU.
+    """
+    rank, _ = local_rank(comm)
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # ImportError, or a CUDA runtime error without a GPU
+        raise RuntimeError(f"select_device: no usable GPU ({exc})") from exc
+    if count == 0:
+        raise RuntimeError("select_device: no usable GPU (cupy sees 0 devices)")
+    device = rank % count
+    cupy.cuda.Device(device).use()
+    return device

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from . import agreement, backend, planning, transport
 from .fusion import FusionBuffer
+from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
 from .watchdog import Watchdog
 
@@ -85,6 +86,10 @@ class DistributedGradReducer:
             ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
         check_finite: find out on each call whether any rank's gradients held
             NaN or Inf; the answer is :attr:`nonfinite`.
+        cuda_aware: for cupy arrays, hand device buffers straight to MPI
+            (True) or stage them through pinned host buffers (False). Default:
+            the environment variable ``MPI_GRADREDUCER_CUDA_AWARE``, else what
+            the MPI library says (see ``python -m mpi_gradreducer.info``).
 
     Raises:
         ValueError: a bad argument, or parameters that differ across ranks.
@@ -106,6 +111,7 @@ class DistributedGradReducer:
         validate: str = "always",
         timeout: Union[float, None, str] = "env",
         check_finite: bool = False,
+        cuda_aware: Optional[bool] = None,
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -116,7 +122,7 @@ class DistributedGradReducer:
             error = None
             try:
                 self._configure(parameters, mean, degree, fusion_type, fusion, split_indices,
-                                bucket_bytes, skip, validate, timeout, check_finite)
+                                bucket_bytes, skip, validate, timeout, check_finite, cuda_aware)
             except (ValueError, TypeError) as exc:
                 error = exc
             agreement.raise_if_any(self._comm, error)
@@ -132,13 +138,15 @@ class DistributedGradReducer:
         self._active: Optional[ReductionStep] = None
         self._control: Optional[MPI.Intracomm] = None
         self._thread: Optional[CommThread] = None
+        self._devices: dict[str, tuple[Any, StagingPipeline]] = {}
+        self._scale = 1.0 / self.degree if self.mean else 1.0
         if self._timeout is not None:
             self._watchdog = Watchdog(self._timeout, self._abort, self._comm.Get_rank())
 
     # -- construction -----------------------------------------------------------------
 
     def _configure(self, parameters, mean, degree, fusion_type, fusion, split_indices,
-                   bucket_bytes, skip, validate, timeout, check_finite) -> None:
+                   bucket_bytes, skip, validate, timeout, check_finite, cuda_aware) -> None:
         params = list(parameters)
         specs = []
         supported = planning.supported_dtypes()
@@ -181,10 +189,17 @@ class DistributedGradReducer:
             raise ValueError(f"timeout: expected a positive number of seconds or None, got {timeout!r}")
         self._timeout = None if timeout is None else float(timeout)
         self.check_finite = bool(check_finite)
+        if cuda_aware is not None and not isinstance(cuda_aware, (bool, np.bool_)):
+            raise TypeError(f"cuda_aware: expected a bool or None, got {type(cuda_aware).__name__} {cuda_aware!r}")
+        if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
+            cuda_aware = bool(transport.cuda_support()[0])
+        #: True when device buffers go straight to MPI; False when they are
+        #: staged through pinned host memory (only matters for device arrays).
+        self.cuda_aware = bool(cuda_aware)
 
     def _signature(self) -> list[tuple[int, ...]]:
         codes = planning.supported_dtypes()
-        header = (len(self._specs), self._bucket_bytes, int(self.mean), self.degree)
+        header = (len(self._specs), self._bucket_bytes, int(self.mean), self.degree, int(self.cuda_aware))
         rows = [header]
         for spec, fid, skip in zip(self._specs, self._ids, self._skip):
             device_kind = 0 if backend.is_host(spec.device) else 1
@@ -193,7 +208,7 @@ class DistributedGradReducer:
 
     def _describe_row(self, index: int, row: tuple[int, ...]) -> str:
         if index == 0:
-            return "(parameters={}, bucket_bytes={}, mean={}, degree={})".format(*row)
+            return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={})".format(*row)
         codes = planning.supported_dtypes()
         dtype, fid, skip, device_kind, ndim, *shape = row
         return (
@@ -263,8 +278,7 @@ class DistributedGradReducer:
             RuntimeError: when an asynchronous reduction is still in flight.
         """
         self._start(grads)
-        for k in range(len(self._fusion)):
-            self._run_bucket(k, grads)
+        self._run_buckets(range(len(self._fusion)), grads)
         self._finish()
         return grads
 
@@ -340,19 +354,21 @@ class DistributedGradReducer:
         self.stats.calls += 1
 
     def _launch(self, step: ReductionStep, batch: list[int]) -> None:
-        for k in batch:
-            if self._thread is None:
-                self._run_bucket_of(step, k)
-            else:
-                self._thread.submit(lambda k=k: self._run_bucket_of(step, k))
+        if self._thread is None:
+            self._run_batch(step, batch)
+            return
+        for device in {self._fusion[k].bucket.device for k in batch} - {"cpu"}:
+            backend.ops_for(device).ready_for_mpi()  # the caller's kernels finish before the thread reads
+        self._thread.submit(lambda: self._run_batch(step, batch, on_thread=True))
 
-    def _run_bucket_of(self, step: ReductionStep, k: int) -> None:
+    def _run_batch(self, step: ReductionStep, batch: list[int], on_thread: bool = False) -> None:
+        error: Optional[BaseException] = None
         try:
-            self._run_bucket(k, step.grads)
-        except BaseException as exc:  # reported by wait(); the other buckets still run
-            step.bucket_finished(exc)
-        else:
-            step.bucket_finished()
+            self._run_buckets(batch, step.grads, on_thread)
+        except BaseException as exc:  # reported by wait()
+            error = exc
+        for _ in batch:
+            step.bucket_finished(error)
 
     def _complete(self, step: ReductionStep) -> Sequence[Any]:
         missing = step.not_ready()
@@ -413,11 +429,69 @@ class DistributedGradReducer:
             return _aliasing_error(grads, self._bucketed)
         return None
 
+    def _run_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool = False) -> None:
+        """Reduce buckets ``ks`` in order; consecutive device buckets go through one pipeline."""
+        start = 0
+        while start < len(ks):
+            device = self._fusion[ks[start]].bucket.device
+            end = start + 1
+            if backend.is_host(device):
+                self._run_bucket(ks[start], grads)
+            else:
+                while end < len(ks) and self._fusion[ks[end]].bucket.device == device:
+                    end += 1
+                self._run_device_buckets(ks[start:end], grads, on_thread)
+            start = end
+
+    def _run_device_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool) -> None:
+        """Reduce buckets of device arrays: CUDA-aware MPI on device buffers, or staged."""
+        device = self._fusion[ks[0]].bucket.device
+        ops, pipeline = self._device_state(device)
+        t0 = time.perf_counter()
+        buffers, packed = [], []
+        for k in ks:
+            f = self._fusion[k]
+            members = [grads[i] for i in f.bucket.indices]
+            run = f.in_place(members)
+            if run is None:
+                f.pack(members)
+                run = f.buffer
+                packed.append((f, members))
+            buffers.append(run)
+        t1 = time.perf_counter()
+        if self.cuda_aware:
+            ops.ready_for_mpi()
+            for k, buf in zip(ks, buffers):
+                self._allreduce(k, buf, self._scale)
+        else:
+            pipeline.run(buffers, lambda pos, host: self._allreduce(ks[pos], host, self._scale))
+        t2 = time.perf_counter()
+        for f, members in packed:
+            f.unpack(members)
+        if on_thread:
+            ops.ready_for_mpi()  # results complete before wait() returns
+        t3 = time.perf_counter()
+        self._count(sum(self._fusion[k].bucket.nbytes for k in ks), t0, t1, t2, t3)
+
+    def _device_state(self, device: str) -> tuple[Any, StagingPipeline]:
+        state = self._devices.get(device)
+        if state is None:
+            ops = backend.ops_for(device)
+            state = self._devices[device] = (ops, StagingPipeline(ops))
+        return state
+
+    def _count(self, nbytes: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        stats = self.stats
+        stats.bytes += nbytes
+        stats.pack_seconds += t1 - t0
+        stats.allreduce_seconds += t2 - t1
+        stats.unpack_seconds += t3 - t2
+
     def _run_bucket(self, k: int, grads: Sequence[Any]) -> None:
         """Reduce bucket ``k`` of ``grads``: in place where possible, else pack, sum, unpack."""
         f = self._fusion[k]
         members = [grads[i] for i in f.bucket.indices]
-        scale = 1.0 / self.degree if self.mean else 1.0
+        scale = self._scale
         run = f.in_place(members)
         t0 = time.perf_counter()
         if run is not None:
@@ -430,11 +504,7 @@ class DistributedGradReducer:
             t2 = time.perf_counter()
             f.unpack(members, scale)
         t3 = time.perf_counter()
-        stats = self.stats
-        stats.bytes += f.bucket.nbytes
-        stats.pack_seconds += t1 - t0
-        stats.allreduce_seconds += t2 - t1
-        stats.unpack_seconds += t3 - t2
+        self._count(f.bucket.nbytes, t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
         after = self._check_finite_chunk if self.check_finite else None
@@ -442,7 +512,7 @@ class DistributedGradReducer:
                          transport.allreduce, self._comm, buf, scale, after=after)
 
     def _check_finite_chunk(self, chunk: Any) -> None:
-        if not self.nonfinite and not np.isfinite(np.add.reduce(chunk)):
+        if not self.nonfinite and not np.isfinite(chunk.sum()):
             self.nonfinite = True
 
     def _collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

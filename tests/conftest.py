@@ -66,3 +66,26 @@ def assert_same_on_all_ranks(comm: MPI.Comm, arrays) -> None:
     same = np.array([int(np.array_equal(root, blob))], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, same, op=MPI.MIN)
     assert same[0] == 1, "results differ between ranks"
+
+
+def _cupy_devices() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no cupy, no driver, no device
+        return 0
+
+
+@pytest.fixture(scope="session")
+def cupy():
+    """cupy with a usable GPU on every rank, else the test is skipped on every rank."""
+    available = np.array([_cupy_devices()], dtype=np.int64)
+    WORLD.Allreduce(MPI.IN_PLACE, available, op=MPI.MIN)  # the same decision everywhere
+    if available[0] == 0:
+        pytest.skip("needs cupy and a CUDA device on every rank")
+    import cupy as cp
+    from mpi_gradreducer import select_device
+
+    select_device(WORLD)
+    return cp
