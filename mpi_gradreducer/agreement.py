@@ -43,6 +43,8 @@ def raise_if_any(
     if size > 1:
         comm.Allreduce(MPI.IN_PLACE, vec, op=MPI.MIN)
     failed = int(vec[0])
+    if size == 1 and error is not None:
+        raise error
     if failed == size:
         if n and not np.array_equal(vec[1 : 1 + n], -vec[1 + n :]):
             raise ValueError(
@@ -60,8 +62,7 @@ def raise_if_any(
         comm.Bcast(message, root=failed)
     cls = _KINDS[int(message[0])]
     text = bytes(message[1:]).rstrip(b"\0").decode(errors="replace")
-    where = f"rank {failed}" if size > 1 else "this rank"
-    exc = cls(f"{where}: {text}")
+    exc = cls(f"rank {failed}: {text}")
     raise exc from (error if rank == failed else None)
 
 

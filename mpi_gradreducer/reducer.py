@@ -14,6 +14,7 @@ from . import agreement, backend, planning, transport
 from .fusion import FusionBuffer
 from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
+from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from .watchdog import Watchdog
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
@@ -73,7 +74,10 @@ class DistributedGradReducer:
         fusion: one fusion id per parameter, instead of ``fusion_type``.
         split_indices: inclusive end indices of consecutive fusion groups
             (MindSpore's ``all_reduce_fusion_config``).
-        bucket_bytes: cap on a fused bucket, in bytes.
+        bucket_bytes: cap on a fused bucket, in bytes, or ``"auto"``: the
+            first blocking calls try a few caps (512 KiB to 32 MiB), and the
+            one that was fastest on the slowest rank is kept (the same on every
+            rank). Call ``allocate_grads`` after that if you use it.
         skip: one bool per parameter; True leaves that gradient untouched
             (MindSpore's layer-wise-parallel and parameter-server parameters).
         validate: ``"always"`` checks every call's gradients and makes all
@@ -106,7 +110,7 @@ class DistributedGradReducer:
         *,
         fusion: Optional[Sequence[int]] = None,
         split_indices: Optional[Sequence[int]] = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        bucket_bytes: Union[int, str] = DEFAULT_BUCKET_BYTES,
         skip: Optional[Sequence[bool]] = None,
         validate: str = "always",
         timeout: Union[float, None, str] = "env",
@@ -171,15 +175,19 @@ class DistributedGradReducer:
             raise ValueError(f"degree: expected a positive int, got {degree!r}")
         self.degree = int(degree)
         self._ids = planning.fusion_ids(len(specs), fusion_type, fusion, split_indices)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes: expected a positive int, got {bucket_bytes!r}")
-        self._bucket_bytes = int(bucket_bytes)
         if skip is None:
             skip = [False] * len(specs)
         skip = list(skip)
         if len(skip) != len(specs):
             raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
         self._skip = tuple(bool(s) for s in skip)
+        self._tuner: Optional[BucketTuner] = None
+        if isinstance(bucket_bytes, str) and bucket_bytes == "auto":
+            self._tuner = BucketTuner(self._distinct_caps(CANDIDATE_BUCKET_BYTES))
+            bucket_bytes = self._tuner.current()
+        elif isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes: expected a positive int or 'auto', got {bucket_bytes!r}")
+        self._bucket_bytes = int(bucket_bytes)
         if validate not in _VALIDATE_MODES:
             raise ValueError(f"validate: expected one of {_VALIDATE_MODES}, got {validate!r}")
         self.validate = validate
@@ -199,7 +207,8 @@ class DistributedGradReducer:
 
     def _signature(self) -> list[tuple[int, ...]]:
         codes = planning.supported_dtypes()
-        header = (len(self._specs), self._bucket_bytes, int(self.mean), self.degree, int(self.cuda_aware))
+        cap = -1 if self._tuner is not None else self._bucket_bytes
+        header = (len(self._specs), cap, int(self.mean), self.degree, int(self.cuda_aware))
         rows = [header]
         for spec, fid, skip in zip(self._specs, self._ids, self._skip):
             device_kind = 0 if backend.is_host(spec.device) else 1
@@ -216,11 +225,25 @@ class DistributedGradReducer:
             f"(fusion id {fid}{', skipped' if skip else ''})"
         )
 
-    def _plan(self, bucket_bytes: int) -> None:
-        buckets = planning.make_plan(
+    def _make_plan(self, bucket_bytes: int) -> tuple[planning.Bucket, ...]:
+        return planning.make_plan(
             self._specs, self._ids, bucket_bytes, DIRECT_BYTES,
             reverse=True, first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=self._skip,
         )
+
+    def _distinct_caps(self, caps: Sequence[int]) -> list[int]:
+        """The caps that give different plans (the smallest of each kind)."""
+        seen, kept = set(), []
+        for cap in caps:
+            shape = tuple(b.indices for b in self._make_plan(cap))
+            if shape not in seen:
+                seen.add(shape)
+                kept.append(cap)
+        return kept
+
+    def _plan(self, bucket_bytes: int) -> None:
+        self._bucket_bytes = bucket_bytes
+        buckets = self._make_plan(bucket_bytes)
         self._fusion = [FusionBuffer(b, [self._specs[i].shape for i in b.indices]) for b in buckets]
         self._bucket_of = [-1] * len(self._specs)
         for k, b in enumerate(buckets):
@@ -278,7 +301,16 @@ class DistributedGradReducer:
             RuntimeError: when an asynchronous reduction is still in flight.
         """
         self._start(grads)
+        tuner = self._tuner
+        if tuner is not None and tuner.current() != self._bucket_bytes:
+            self._plan(tuner.current())
+        t0 = time.perf_counter()
         self._run_buckets(range(len(self._fusion)), grads)
+        if tuner is not None:
+            tuner.record(time.perf_counter() - t0)
+            if tuner.finished:
+                self._plan(tuner.decide(self._comm))
+                self._tuner = None
         self._finish()
         return grads
 

@@ -107,7 +107,7 @@ def test_unsupported_dtype_names_index_and_dtype():
         ({"fusion": [1, -1, 2]}, r"fusion\[1\]: expected an int >= 0, got -1"),
         ({"split_indices": [1, 1]}, r"split_indices\[1\]: expected an increasing index"),
         ({"split_indices": [3]}, r"split_indices\[0\]: expected an increasing index in \[0, 2\], got 3"),
-        ({"bucket_bytes": 0}, r"bucket_bytes: expected a positive int, got 0"),
+        ({"bucket_bytes": 0}, r"bucket_bytes: expected a positive int or 'auto', got 0"),
         ({"skip": [True]}, r"skip: expected 3 bools"),
         ({"validate": "sometimes"}, r"validate: expected one of"),
         ({"timeout": -1}, r"timeout: expected a positive number"),
