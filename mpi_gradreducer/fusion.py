@@ -65,6 +65,9 @@ class FusionBuffer:
         if not self._host:
             self._device_copy(members, scale, False, skip)
             return
+        if self.native and scale == 1.0 and not skip:
+            np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
+            return
         for k, (v, g) in enumerate(zip(self.views, members)):
             if skip and skip[k]:
                 continue

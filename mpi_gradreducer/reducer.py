@@ -250,6 +250,7 @@ class DistributedGradReducer:
             for i in b.indices:
                 self._bucket_of[i] = k
         self._bucketed = tuple(i for b in buckets for i in b.indices)
+        self._own_views: list[Any] = [None] * len(self._specs)
         self._checked = tuple(i for i, skip in enumerate(self._skip) if not skip)
 
     # -- public API -------------------------------------------------------------------
@@ -279,7 +280,7 @@ class DistributedGradReducer:
             if f.native:
                 f.allocate()[...] = 0
                 for i, v in zip(f.bucket.indices, f.views):
-                    grads[i] = v
+                    grads[i] = self._own_views[i] = v
         for i, spec in enumerate(self._specs):
             if grads[i] is None:
                 grads[i] = backend.empty(spec.size, spec.dtype, spec.device).reshape(spec.shape)
@@ -442,23 +443,20 @@ class DistributedGradReducer:
         n = len(self._specs)
         if len(grads) != n:
             return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}")
+        own, specs = self._own_views, self._specs
         for i in self._checked:
-            g, spec = grads[i], self._specs[i]
-            device = backend.device_of(g)
-            if device is None:
-                return TypeError(f"grads[{i}]: expected a numpy or cupy array, got {type(g).__name__}")
-            if g.shape != spec.shape:
-                return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {g.shape}")
-            if g.dtype != spec.dtype:
-                return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
-            if device != spec.device:
-                return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
-            if not g.flags.writeable:
-                return ValueError(
-                    f"grads[{i}] is read-only, but results are written in place; pass a writeable array"
-                )
+            g = grads[i]
+            if g is own[i]:
+                continue  # the reducer's own view: right shape, dtype and place by construction
+            spec = specs[i]
+            if (type(g) is not np.ndarray or g.shape != spec.shape or g.dtype != spec.dtype
+                    or not g.flags.writeable or spec.device != "cpu"):
+                error = _mismatch(i, g, spec)
+                if error is not None:
+                    return error
         if aliasing:
-            return _aliasing_error(grads, self._bucketed)
+            buffers = {id(f.buffer) for f in self._fusion if f.buffer is not None}
+            return _aliasing_error(grads, self._bucketed, own, buffers)
         return None
 
     def _run_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool = False) -> None:
@@ -532,9 +530,9 @@ class DistributedGradReducer:
         else:
             f.pack(members)
             t1 = time.perf_counter()
-            self._allreduce(k, f.buffer, 1.0)
+            self._allreduce(k, f.buffer, scale)  # scaled chunk by chunk, while in cache
             t2 = time.perf_counter()
-            f.unpack(members, scale)
+            f.unpack(members)
         t3 = time.perf_counter()
         self._count(f.bucket.nbytes, t0, t1, t2, t3)
 
@@ -561,10 +559,60 @@ class DistributedGradReducer:
         self._comm.Abort(1)
 
 
-def _aliasing_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exception]:
-    """ValueError naming two gradients that share memory, or None."""
-    if len(indices) < 2:
+def _mismatch(i: int, g: Any, spec: planning.ParamSpec) -> Optional[Exception]:
+    """Why ``grads[i]`` does not fit parameter ``i``, or None if it does."""
+    device = backend.device_of(g)
+    if device is None:
+        return TypeError(f"grads[{i}]: expected a numpy or cupy array, got {type(g).__name__}")
+    if g.shape != spec.shape:
+        return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {g.shape}")
+    if g.dtype != spec.dtype:
+        return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
+    if device != spec.device:
+        return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
+    if not g.flags.writeable:
+        return ValueError(f"grads[{i}] is read-only, but results are written in place; pass a writeable array")
+    return None
+
+
+def _aliasing_error(
+    grads: Sequence[Any], indices: Sequence[int], own: Sequence[Any], buffers: set[int]
+) -> Optional[Exception]:
+    """ValueError naming two gradients that share memory, or None.
+
+    Arrays can only overlap when they are views of the same owner, so byte
+    bounds (slow to read) are compared only within such groups. The
+    reducer's own views (``own``, into the fusion ``buffers``) are disjoint
+    by construction and are looked at only when another gradient is a view
+    of the same buffer.
+    """
+    owners: dict[int, list[int]] = {}
+    shared = False
+    for i in indices:
+        g = grads[i]
+        if g is own[i]:
+            continue
+        base = getattr(g, "base", None)
+        while base is not None:  # the object that owns the memory
+            g, base = base, getattr(base, "base", None)
+        key = id(g)
+        if key in owners or key in buffers:
+            shared = True
+        owners.setdefault(key, []).append(i)
+    if not shared:
         return None
+    for i in indices:
+        if grads[i] is own[i]:
+            owners.setdefault(id(grads[i].base), []).append(i)
+    for members in owners.values():
+        if len(members) > 1:
+            error = _overlap_error(grads, members)
+            if error is not None:
+                return error
+    return None
+
+
+def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exception]:
     bounds = np.array([backend.byte_bounds(grads[i]) for i in indices], dtype=np.int64)
     order = np.argsort(bounds[:, 0], kind="stable")
     lo, hi = bounds[order, 0], bounds[order, 1]

@@ -167,3 +167,23 @@ def test_reducer_uses_its_own_communicator():
     with DistributedGradReducer(_params()) as reducer:
         assert reducer.comm != WORLD
         assert MPI.Comm.Compare(reducer.comm, WORLD) == MPI.CONGRUENT
+
+
+def test_a_bucket_view_listed_twice_is_caught():
+    with DistributedGradReducer([np.zeros(4, np.float32), np.zeros(4, np.float32)]) as reducer:
+        grads = reducer.allocate_grads()
+        reducer(grads)
+        with pytest.raises(ValueError, match=r"grads\[0\] and grads\[1\] share memory"):
+            reducer([grads[0], grads[0]])
+        with pytest.raises(ValueError, match=r"grads\[0\] and grads\[1\] share memory"):
+            reducer([grads[1], grads[1]])
+
+
+def test_arrays_over_foreign_buffers_are_accepted():
+    raw = [bytearray(4 * 6), bytearray(4 * 4), bytearray(4 * 8)]
+    grads = [np.frombuffer(b, np.float32).reshape(s) for b, s in zip(raw, SHAPES)]
+    for g in grads:
+        g[...] = rank_value(WORLD, 1.0)
+    with DistributedGradReducer(_params()) as reducer:
+        reducer(grads)
+        np.testing.assert_allclose(grads[2], (WORLD.Get_size() - 1) / 2 + 1.0)
