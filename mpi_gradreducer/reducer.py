@@ -14,6 +14,7 @@ from . import agreement, backend, planning, transport
 from .fusion import FusionBuffer
 from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
+from .timeline import Timeline
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from .watchdog import Watchdog
 
@@ -31,6 +32,8 @@ FIRST_BUCKET_BYTES = 1 << 20
 #: the environment variable below says otherwise.
 DEFAULT_TIMEOUT = 1800.0
 TIMEOUT_ENV = "MPI_GRADREDUCER_TIMEOUT"
+#: Default for ``timeline``: a file name, used when the argument is not given.
+TIMELINE_ENV = "MPI_GRADREDUCER_TIMELINE"
 
 _VALIDATE_MODES = ("always", "first", "never")
 
@@ -94,6 +97,10 @@ class DistributedGradReducer:
             (True) or stage them through pinned host buffers (False). Default:
             the environment variable ``MPI_GRADREDUCER_CUDA_AWARE``, else what
             the MPI library says (see ``python -m mpi_gradreducer.info``).
+        timeline: a file name: record pack, allreduce and unpack of every
+            bucket on every rank, and write them, merged by rank 0, as a Chrome
+            trace-event file when the reducer is freed (open it in Perfetto
+            or ``chrome://tracing``). Default: ``MPI_GRADREDUCER_TIMELINE``.
 
     Raises:
         ValueError: a bad argument, or parameters that differ across ranks.
@@ -116,6 +123,7 @@ class DistributedGradReducer:
         timeout: Union[float, None, str] = "env",
         check_finite: bool = False,
         cuda_aware: Optional[bool] = None,
+        timeline: Optional[str] = None,
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -144,6 +152,8 @@ class DistributedGradReducer:
         self._thread: Optional[CommThread] = None
         self._devices: dict[str, tuple[Any, StagingPipeline]] = {}
         self._scale = 1.0 / self.degree if self.mean else 1.0
+        path = timeline if timeline is not None else os.environ.get(TIMELINE_ENV)
+        self._timeline = Timeline(self._comm, path) if path else None
         if self._timeout is not None:
             self._watchdog = Watchdog(self._timeout, self._abort, self._comm.Get_rank())
 
@@ -354,10 +364,13 @@ class DistributedGradReducer:
         return step
 
     def free(self) -> None:
-        """Release the communicators and threads (collective). Idempotent."""
+        """Write the timeline, release the communicators and threads (collective). Idempotent."""
         if self._thread is not None:
             self._thread.close()
             self._thread = None
+        if self._timeline is not None:
+            self._timeline.close()
+            self._timeline = None
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
@@ -501,7 +514,7 @@ class DistributedGradReducer:
         if on_thread:
             ops.ready_for_mpi()  # results complete before wait() returns
         t3 = time.perf_counter()
-        self._count(sum(self._fusion[k].bucket.nbytes for k in ks), t0, t1, t2, t3)
+        self._count(ks, t0, t1, t2, t3)
 
     def _device_state(self, device: str) -> tuple[Any, StagingPipeline]:
         state = self._devices.get(device)
@@ -510,7 +523,13 @@ class DistributedGradReducer:
             state = self._devices[device] = (ops, StagingPipeline(ops))
         return state
 
-    def _count(self, nbytes: int, t0: float, t1: float, t2: float, t3: float) -> None:
+    def _count(self, ks: Sequence[int], t0: float, t1: float, t2: float, t3: float) -> None:
+        nbytes = sum(self._fusion[k].bucket.nbytes for k in ks)
+        if self._timeline is not None:
+            args = {"call": self._calls, "bucket": ks[0] if len(ks) == 1 else list(ks), "bytes": nbytes}
+            for name, start, end in (("pack", t0, t1), ("allreduce", t1, t2), ("unpack", t2, t3)):
+                if end > start:
+                    self._timeline.record(name, start, end, **args)
         stats = self.stats
         stats.bytes += nbytes
         stats.pack_seconds += t1 - t0
@@ -534,7 +553,7 @@ class DistributedGradReducer:
             t2 = time.perf_counter()
             f.unpack(members)
         t3 = time.perf_counter()
-        self._count(f.bucket.nbytes, t0, t1, t2, t3)
+        self._count((k,), t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
         after = self._check_finite_chunk if self.check_finite else None

@@ -123,3 +123,22 @@ def test_interpreter_exits_cleanly_with_a_live_reducer(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("exiting") == (2 if len(cmd) > 2 else 1)
+
+
+@pytest.mark.mpi
+def test_reducer_timeline_is_valid_trace_json(tmp_path):
+    import json
+
+    name = str(tmp_path / "trace.json") if WORLD.Get_rank() == 0 else "unused"
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10, timeline=name) as reducer:
+        reducer(_grads(0))
+        reducer.reduce_async(_grads(1)).wait()
+    if WORLD.Get_rank() == 0:
+        with open(name) as f:
+            trace = json.load(f)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        spans = [e for e in events if e.get("ph") == "X"]
+        assert {e["pid"] for e in spans} == set(range(WORLD.Get_size()))
+        assert {e["name"] for e in spans} >= {"allreduce", "pack", "unpack"}
+        assert all(e["dur"] >= 0 and "bucket" in e["args"] for e in spans)
+        assert {e["args"]["call"] for e in spans} == {1, 2}
