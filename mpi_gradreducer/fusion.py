@@ -25,6 +25,8 @@ class FusionBuffer:
         #: True when MPI sums the members' own dtype, so that they can be
         #: reduced where they lie instead of being packed.
         self.native = bucket.wire_dtype == bucket.dtype
+        #: Largest finite magnitude of the members' dtype (results beyond it overflow).
+        self.limit = _largest_finite(bucket.dtype)
         # Scaling is computed in the wider of the two dtypes, then cast.
         self._compute_dtype = np.promote_types(bucket.dtype, bucket.wire_dtype)
         self._shapes = tuple(shapes)
@@ -81,6 +83,13 @@ class FusionBuffer:
         if not self._host:
             self._device_copy(members, scale, True, skip)
             return
+        if not self.native:
+            with np.errstate(over="ignore"):  # a sum beyond float16's range becomes inf, as in IEEE
+                self._unpack(members, scale, skip)
+        else:
+            self._unpack(members, scale, skip)
+
+    def _unpack(self, members: Sequence[Any], scale: float, skip: Sequence[bool]) -> None:
         for k, (v, g) in enumerate(zip(self.views, members)):
             if skip and skip[k]:
                 continue
@@ -105,6 +114,14 @@ class FusionBuffer:
             src, dst = (v, g) if unpack else (g, v)
             dst[...] = src if scale == 1.0 else src * scale
             self.launches += 1
+
+
+def _largest_finite(dtype: np.dtype) -> float:
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+    return float(np.finfo(dtype).max)
 
 
 def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Optional[Any]:

@@ -556,12 +556,20 @@ class DistributedGradReducer:
         self._count((k,), t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
-        after = self._check_finite_chunk if self.check_finite else None
+        after = None
+        if self.check_finite:
+            # Results must also fit the gradients' own dtype (float16 overflows at 65504).
+            limit = self._fusion[k].limit
+            after = lambda chunk: self._check_finite_chunk(chunk, limit)  # noqa: E731
         self._collective(lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)",
                          transport.allreduce, self._comm, buf, scale, after=after)
 
-    def _check_finite_chunk(self, chunk: Any) -> None:
-        if not self.nonfinite and not np.isfinite(chunk.sum()):
+    def _check_finite_chunk(self, chunk: Any, limit: float) -> None:
+        """Flag NaN, Inf or a value beyond ``limit`` (min/max propagate NaN; no temporaries)."""
+        if self.nonfinite or chunk.size == 0:
+            return
+        real = chunk.view(chunk.real.dtype) if chunk.dtype.kind == "c" else chunk
+        if not (-limit <= float(real.min()) and float(real.max()) <= limit):
             self.nonfinite = True
 
     def _collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -46,7 +46,8 @@ class Timeline:
 
     Args:
         comm: the ranks whose events go into the file. It is only used by
-            :meth:`close`, which works on its own duplicate of it.
+            :meth:`close` (which works on its own duplicate of it), so it
+            must not be freed before then.
         path: the file rank 0 writes (other ranks ignore it).
     """
 
@@ -111,7 +112,12 @@ class Timeline:
                            for name, start, end, args in self._events],
             }
             self._events = []
-            text = json.dumps(mine, default=_jsonable, separators=(",", ":")).encode()
+            try:
+                text = json.dumps(mine, default=_jsonable, separators=(",", ":")).encode()
+            except (TypeError, ValueError):  # e.g. a dict with non-string keys: never strand the others
+                for event in mine["events"]:
+                    event[3] = {k: str(v) for k, v in event[3].items()}
+                text = json.dumps(mine, separators=(",", ":")).encode()
             parts = _gather_bytes(comm, np.frombuffer(text, dtype=np.uint8))
         finally:
             comm.Free()

@@ -47,7 +47,9 @@ def allreduce(
         chunk = buf[start : start + step]
         comm.Allreduce(MPI.IN_PLACE, chunk, op=op)
         if scale != 1.0:
-            np.multiply(chunk, scale, out=chunk)
+            # Complex values are scaled component-wise: (inf+0j) * s stays (inf+0j).
+            real = chunk.view(chunk.real.dtype) if chunk.dtype.kind == "c" else chunk
+            np.multiply(real, scale, out=real)
         if after is not None:
             after(chunk)
 
