@@ -12,6 +12,7 @@ Example::
 
 from .groups import broadcast_parameters, create_group, local_rank, select_device
 from .planning import Bucket
+from .sparse import RowSparse
 from .reducer import DistributedGradReducer, ReducerStats
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "Bucket",
     "DistributedGradReducer",
     "ReducerStats",
+    "RowSparse",
     "broadcast_parameters",
     "create_group",
     "local_rank",

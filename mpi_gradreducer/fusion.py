@@ -9,7 +9,7 @@ import numpy as np
 from . import backend
 from .planning import Bucket
 
-__all__ = ["FusionBuffer"]
+__all__ = ["FusionBuffer", "largest_finite"]
 
 
 class FusionBuffer:
@@ -26,7 +26,7 @@ class FusionBuffer:
         #: reduced where they lie instead of being packed.
         self.native = bucket.wire_dtype == bucket.dtype
         #: Largest finite magnitude of the members' dtype (results beyond it overflow).
-        self.limit = _largest_finite(bucket.dtype)
+        self.limit = largest_finite(bucket.dtype)
         # Scaling is computed in the wider of the two dtypes, then cast.
         self._compute_dtype = np.promote_types(bucket.dtype, bucket.wire_dtype)
         self._shapes = tuple(shapes)
@@ -62,7 +62,7 @@ class FusionBuffer:
         return _adjacent_run(members, self.bucket)
 
     def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> None:
-        """Copy (and cast, and scale) the members into the buffer."""
+        """Copy (and cast, and scale) the members into the buffer; skipped slots get zeros."""
         self.allocate()
         if not self._host:
             self._device_copy(members, scale, False, skip)
@@ -70,8 +70,13 @@ class FusionBuffer:
         if self.native and scale == 1.0 and not skip:
             np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
             return
+        with np.errstate(over="ignore"):  # beyond a 16-bit wire format's range: inf, as in IEEE
+            self._pack(members, scale, skip)
+
+    def _pack(self, members: Sequence[Any], scale: float, skip: Sequence[bool]) -> None:
         for k, (v, g) in enumerate(zip(self.views, members)):
             if skip and skip[k]:
+                v[...] = 0  # its slot still travels: zeros, never stale values or NaN
                 continue
             if scale == 1.0:
                 np.copyto(v, g, casting="unsafe")
@@ -116,7 +121,8 @@ class FusionBuffer:
             self.launches += 1
 
 
-def _largest_finite(dtype: np.dtype) -> float:
+def largest_finite(dtype: np.dtype) -> float:
+    """Largest finite magnitude of a float (or complex) dtype, bfloat16 included."""
     if dtype.name == "bfloat16":
         import ml_dtypes
 

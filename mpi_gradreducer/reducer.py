@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, backend, planning, transport
-from .fusion import FusionBuffer
+from . import agreement, backend, compression as wire, planning, transport
+from .fusion import FusionBuffer, largest_finite
+from .sparse import RowSparse, allgather_rowsparse
 from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
 from .timeline import Timeline
@@ -124,6 +126,9 @@ class DistributedGradReducer:
         check_finite: bool = False,
         cuda_aware: Optional[bool] = None,
         timeline: Optional[str] = None,
+        compression: Optional[str] = None,
+        predivide: Optional[float] = None,
+        coalesce: bool = False,
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -133,8 +138,8 @@ class DistributedGradReducer:
         try:
             error = None
             try:
-                self._configure(parameters, mean, degree, fusion_type, fusion, split_indices,
-                                bucket_bytes, skip, validate, timeout, check_finite, cuda_aware)
+                self._configure(parameters, mean, degree, fusion_type, fusion, split_indices, bucket_bytes,
+                                skip, validate, timeout, check_finite, cuda_aware, compression, predivide)
             except (ValueError, TypeError) as exc:
                 error = exc
             agreement.raise_if_any(self._comm, error)
@@ -152,6 +157,8 @@ class DistributedGradReducer:
         self._thread: Optional[CommThread] = None
         self._devices: dict[str, tuple[Any, StagingPipeline]] = {}
         self._scale = 1.0 / self.degree if self.mean else 1.0
+        self.coalesce = bool(coalesce)
+        self._sparse: tuple[int, ...] = ()  # positions of RowSparse gradients in the current call
         path = timeline if timeline is not None else os.environ.get(TIMELINE_ENV)
         self._timeline = Timeline(self._comm, path) if path else None
         if self._timeout is not None:
@@ -159,8 +166,9 @@ class DistributedGradReducer:
 
     # -- construction -----------------------------------------------------------------
 
-    def _configure(self, parameters, mean, degree, fusion_type, fusion, split_indices,
-                   bucket_bytes, skip, validate, timeout, check_finite, cuda_aware) -> None:
+    def _configure(self, parameters, mean, degree, fusion_type, fusion, split_indices, bucket_bytes,
+                   skip, validate, timeout, check_finite, cuda_aware, compression, predivide) -> None:
+        self._compression: Optional[wire.Compression] = None
         params = list(parameters)
         specs = []
         supported = planning.supported_dtypes()
@@ -191,6 +199,19 @@ class DistributedGradReducer:
         if len(skip) != len(specs):
             raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
         self._skip = tuple(bool(s) for s in skip)
+        try:
+            self._compression = wire.get_compression(compression)
+        except ImportError as exc:
+            raise ValueError(str(exc)) from exc
+        if self._compression is not None:
+            if any(not backend.is_host(s.device) for s in specs):
+                raise TypeError("compression: works on host (numpy) gradients only; got device arrays")
+            self._wire_scales = self._compression.scales(
+                self._comm.Get_size(), self.degree, self.mean, predivide
+            )
+        elif predivide is not None:
+            raise ValueError(f"predivide: only applies with compression, got predivide={predivide!r}")
+        self._predivide = 0.0 if predivide is None else float(predivide)
         self._tuner: Optional[BucketTuner] = None
         if isinstance(bucket_bytes, str) and bucket_bytes == "auto":
             self._tuner = BucketTuner(self._distinct_caps(CANDIDATE_BUCKET_BYTES))
@@ -218,7 +239,9 @@ class DistributedGradReducer:
     def _signature(self) -> list[tuple[int, ...]]:
         codes = planning.supported_dtypes()
         cap = -1 if self._tuner is not None else self._bucket_bytes
-        header = (len(self._specs), cap, int(self.mean), self.degree, int(self.cuda_aware))
+        kind = 0 if self._compression is None else 1 + wire.COMPRESSIONS.index(self._compression.name)
+        header = (len(self._specs), cap, int(self.mean), self.degree, int(self.cuda_aware), kind,
+                  int(self._predivide * 1e6))
         rows = [header]
         for spec, fid, skip in zip(self._specs, self._ids, self._skip):
             device_kind = 0 if backend.is_host(spec.device) else 1
@@ -227,7 +250,9 @@ class DistributedGradReducer:
 
     def _describe_row(self, index: int, row: tuple[int, ...]) -> str:
         if index == 0:
-            return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={})".format(*row)
+            names = (None,) + wire.COMPRESSIONS
+            return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
+                f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g})"
         codes = planning.supported_dtypes()
         dtype, fid, skip, device_kind, ndim, *shape = row
         return (
@@ -236,9 +261,13 @@ class DistributedGradReducer:
         )
 
     def _make_plan(self, bucket_bytes: int) -> tuple[planning.Bucket, ...]:
+        comp = self._compression
+        wire_dtype = planning.reduction_dtype
+        if comp is not None:
+            wire_dtype = lambda d: comp.wire_dtype if comp.applies_to(d) else planning.reduction_dtype(d)  # noqa: E731
         return planning.make_plan(
-            self._specs, self._ids, bucket_bytes, DIRECT_BYTES,
-            reverse=True, first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=self._skip,
+            self._specs, self._ids, bucket_bytes, DIRECT_BYTES, reverse=True,
+            first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=self._skip, wire_dtype=wire_dtype,
         )
 
     def _distinct_caps(self, caps: Sequence[int]) -> list[int]:
@@ -317,6 +346,7 @@ class DistributedGradReducer:
             self._plan(tuner.current())
         t0 = time.perf_counter()
         self._run_buckets(range(len(self._fusion)), grads)
+        self._reduce_sparse(grads)
         if tuner is not None:
             tuner.record(time.perf_counter() - t0)
             if tuner.finished:
@@ -371,6 +401,8 @@ class DistributedGradReducer:
         if self._timeline is not None:
             self._timeline.close()
             self._timeline = None
+        if self._compression is not None:
+            self._compression.free()
         if self._watchdog is not None:
             self._watchdog.close()
             self._watchdog = None
@@ -427,6 +459,8 @@ class DistributedGradReducer:
             step.mark_all_ready()  # every rank still issues every collective: no one hangs
         try:
             step.join()
+            if not counts.any():
+                self._reduce_sparse(step.grads)
         finally:
             self._active = None
         if counts.any():
@@ -442,13 +476,15 @@ class DistributedGradReducer:
 
     def _check(self, grads: Sequence[Any]) -> None:
         agree = self.validate == "always" or (self.validate == "first" and self._calls == 0)
+        self._sparse = ()
         try:
             error = self._local_error(grads, aliasing=agree)
         except Exception as exc:  # an unexpected object must not strand the others
             error = TypeError(f"grads: could not be checked ({exc!r})")
         if agree:
+            layout = zlib.crc32(np.asarray(self._sparse, dtype=np.int64).tobytes())
             self._collective(lambda: "the validation of the gradients",
-                             agreement.raise_if_any, self._comm, error)
+                             agreement.raise_if_any, self._comm, error, (layout,))
         elif error is not None:
             raise error
 
@@ -457,6 +493,7 @@ class DistributedGradReducer:
         if len(grads) != n:
             return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}")
         own, specs = self._own_views, self._specs
+        sparse: list[int] = []
         for i in self._checked:
             g = grads[i]
             if g is own[i]:
@@ -464,12 +501,18 @@ class DistributedGradReducer:
             spec = specs[i]
             if (type(g) is not np.ndarray or g.shape != spec.shape or g.dtype != spec.dtype
                     or not g.flags.writeable or spec.device != "cpu"):
-                error = _mismatch(i, g, spec)
+                if isinstance(g, RowSparse):
+                    sparse.append(i)
+                    error = _sparse_mismatch(i, g, spec, grads)
+                else:
+                    error = _mismatch(i, g, spec)
                 if error is not None:
                     return error
+        self._sparse = tuple(sparse)
         if aliasing:
             buffers = {id(f.buffer) for f in self._fusion if f.buffer is not None}
-            return _aliasing_error(grads, self._bucketed, own, buffers)
+            dense = [i for i in self._bucketed if i not in sparse] if sparse else self._bucketed
+            return _aliasing_error(grads, dense, own, buffers)
         return None
 
     def _run_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool = False) -> None:
@@ -540,29 +583,57 @@ class DistributedGradReducer:
         """Reduce bucket ``k`` of ``grads``: in place where possible, else pack, sum, unpack."""
         f = self._fusion[k]
         members = [grads[i] for i in f.bucket.indices]
-        scale = self._scale
-        run = f.in_place(members)
+        skip = [i in self._sparse for i in f.bucket.indices] if self._sparse else ()
+        if skip and all(skip):
+            return  # every member is row-sparse this call: gathered separately
         t0 = time.perf_counter()
-        if run is not None:
-            self._allreduce(k, run, scale)
+        if self._compression is not None and f.bucket.wire_dtype == self._compression.wire_dtype:
+            pre, post = self._wire_scales
+            f.pack(members, pre, skip)
+            t1 = time.perf_counter()
+            self._collective(self._describe_bucket(k), wire.compressed_allreduce, self._comm, f.buffer,
+                             self._compression, after=self._finite_check(k))
+            t2 = time.perf_counter()
+            f.unpack(members, post, skip)
+        elif not skip and (run := f.in_place(members)) is not None:
+            self._allreduce(k, run, self._scale)
             t2 = t1 = time.perf_counter()
         else:
-            f.pack(members)
+            f.pack(members, 1.0, skip)
             t1 = time.perf_counter()
-            self._allreduce(k, f.buffer, scale)  # scaled chunk by chunk, while in cache
+            self._allreduce(k, f.buffer, self._scale)  # scaled chunk by chunk, while in cache
             t2 = time.perf_counter()
-            f.unpack(members)
+            f.unpack(members, 1.0, skip)
         t3 = time.perf_counter()
         self._count((k,), t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
-        after = None
-        if self.check_finite:
-            # Results must also fit the gradients' own dtype (float16 overflows at 65504).
-            limit = self._fusion[k].limit
-            after = lambda chunk: self._check_finite_chunk(chunk, limit)  # noqa: E731
-        self._collective(lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)",
-                         transport.allreduce, self._comm, buf, scale, after=after)
+        self._collective(self._describe_bucket(k), transport.allreduce, self._comm, buf, scale,
+                         after=self._finite_check(k))
+
+    def _describe_bucket(self, k: int) -> Callable[[], str]:
+        return lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)"
+
+    def _finite_check(self, k: int) -> Optional[Callable[[Any], None]]:
+        """The per-chunk NaN/Inf test for bucket ``k``, when ``check_finite`` is on."""
+        if not self.check_finite:
+            return None
+        limit = self._fusion[k].limit  # results must fit the gradients' own dtype
+        return lambda chunk: self._check_finite_chunk(chunk, limit)
+
+    def _reduce_sparse(self, grads: Sequence[Any]) -> None:
+        """Gather each RowSparse gradient (in index order) and put the result in ``grads``."""
+        for i in self._sparse:
+            t0 = time.perf_counter()
+            result = self._collective(
+                lambda i=i: f"call {self._calls}, RowSparse grads[{i}]", allgather_rowsparse,
+                self._comm, grads[i], self._scale, self.coalesce,
+            )
+            if self.check_finite and result.values.size:
+                self._check_finite_chunk(result.values.reshape(-1), largest_finite(self._specs[i].dtype))
+            grads[i] = result
+            if self._timeline is not None:
+                self._timeline.record("allgather", t0, time.perf_counter(), call=self._calls, index=i)
 
     def _check_finite_chunk(self, chunk: Any, limit: float) -> None:
         """Flag NaN, Inf or a value beyond ``limit`` (min/max propagate NaN; no temporaries)."""
@@ -599,6 +670,26 @@ def _mismatch(i: int, g: Any, spec: planning.ParamSpec) -> Optional[Exception]:
         return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
     if not g.flags.writeable:
         return ValueError(f"grads[{i}] is read-only, but results are written in place; pass a writeable array")
+    return None
+
+
+def _sparse_mismatch(i: int, g: RowSparse, spec: planning.ParamSpec, grads: Sequence[Any]) -> Optional[Exception]:
+    """Why RowSparse ``grads[i]`` cannot stand for parameter ``i``, or None."""
+    if not isinstance(grads, list):
+        return TypeError(
+            f"grads: a RowSparse gradient (grads[{i}]) is replaced by its reduced RowSparse, "
+            f"so grads must be a list, got {type(grads).__name__}"
+        )
+    if spec.device != "cpu":
+        return TypeError(f"grads[{i}]: a RowSparse gradient needs a host parameter, but parameter {i} is on {spec.device}")
+    error = g.check()
+    if error is not None:
+        return type(error)(f"grads[{i}]: {error}")
+    if g.dense_shape != spec.shape or g.dtype != spec.dtype:
+        return ValueError(
+            f"grads[{i}]: expected a RowSparse of dense_shape {spec.shape} and dtype {spec.dtype} "
+            f"(as parameter {i}), got dense_shape {g.dense_shape} and dtype {g.dtype}"
+        )
     return None
 
 

@@ -1,0 +1,385 @@
+"""Wire compression: send float32/float64 gradients as 16-bit floats.
+
+A :class:`Compression` is a small strategy in the manner of Horovod's
+``Compressor``: :func:`pack` casts (and pre-scales) a gradient into a 16-bit
+wire buffer, :func:`compressed_allreduce` sums the wire buffer across ranks,
+:func:`unpack` casts (and post-scales) it back into the gradient::
+
+    comp = get_compression("fp16")
+    pre, post = comp.scales(size=comm.Get_size(), degree=degree, mean=True)
+    pack(grad, wire, pre)                   # wire = grad * pre, as float16
+    compressed_allreduce(comm, wire, comp)  # wire = sum over ranks
+    unpack(wire, grad, post)                # grad = wire * post, as float32
+    comp.free()
+
+MPI has no half-precision sum. By default (``method="alltoall"``) each rank
+receives every rank's share of one slice of the buffer, adds them in float32
+in rank order and rounds once, and the slices are shared again: each element
+is the float32 sum rounded to the wire format, whatever the number of ranks.
+``method="allreduce"`` instead hands MPI :meth:`Compression.op`, a
+user-defined reduction that adds two wire buffers in float32 and rounds back,
+so every level of MPI's reduction tree rounds. Each :class:`Compression` owns
+at most one such op, created on first use and released by
+:meth:`Compression.free` (mpi4py allows only a few dozen live user-defined
+ops per process, so free the ones you no longer need).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import transport
+
+__all__ = [
+    "COMPRESSIONS",
+    "Compression",
+    "compressed_allreduce",
+    "get_compression",
+    "pack",
+    "reduce_array",
+    "unpack",
+]
+
+#: The accepted compression names (besides None, no compression).
+COMPRESSIONS = ("fp16", "bf16")
+
+_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class Compression:
+    """One wire format: its name, its 16-bit dtype and the MPI op that sums it.
+
+    Create instances with :func:`get_compression`.
+
+    Attributes:
+        name: ``"fp16"`` or ``"bf16"``.
+        wire_dtype: ``float16`` or ``ml_dtypes.bfloat16``.
+    """
+
+    name: str
+    wire_dtype: np.dtype
+    _op: Optional[MPI.Op] = field(default=None, init=False, repr=False, compare=False)
+
+    def applies_to(self, dtype: Any) -> bool:
+        """Whether gradients of ``dtype`` are compressed (float32 and float64 only).
+
+        Complex, half-precision and integer gradients travel uncompressed.
+        """
+        try:
+            return np.dtype(dtype) in _COMPRESSIBLE
+        except TypeError:
+            return False
+
+    def default_predivide(self, size: int) -> float:
+        """The pre-division factor used when none is given.
+
+        float16 overflows above 65504, so each rank's values are divided by the
+        number of ranks before the sum: the sum of ``size`` such terms is then
+        no larger in magnitude than the largest input, and cannot overflow.
+        bfloat16 has float32's exponent range, so nothing is divided.
+
+        Args:
+            size: number of ranks taking part in the sum.
+
+        Returns:
+            ``size`` for fp16, 1.0 for bf16.
+        """
+        return float(size) if self.name == "fp16" else 1.0
+
+    def scales(
+        self, size: int, degree: int = 1, mean: bool = False, predivide: Optional[float] = None
+    ) -> tuple[float, float]:
+        """Factors for :func:`pack` and :func:`unpack` (Horovod's pre/post-scaling).
+
+        The sum of ``x * prescale`` over the ranks, times ``postscale``, is the
+        requested result: the sum of ``x``, or the sum divided by ``degree``.
+
+        Args:
+            size: number of ranks taking part in the sum.
+            degree: divisor of the mean.
+            mean: divide the sum by ``degree``.
+            predivide: the pre-division factor ``f`` (Horovod's and DeepSpeed's
+                ``gradient_predivide_factor``); None: :meth:`default_predivide`.
+                A larger ``f`` guards against overflow of the half-precision
+                sum, a smaller one against underflow of small gradients.
+
+        Returns:
+            ``(1 / f, f / degree)`` for a mean, ``(1 / f, f)`` for a sum.
+
+        Raises:
+            ValueError: ``predivide``, ``size`` or ``degree`` is not positive
+                (``predivide`` also: not finite).
+        """
+        f = self.default_predivide(size) if predivide is None else predivide
+        if isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating)) \
+                or not 0 < f < float("inf"):
+            raise ValueError(f"predivide: expected a positive finite number, got {predivide!r}")
+        if not size > 0 or not degree > 0:
+            raise ValueError(f"size and degree: expected positive ints, got {size!r} and {degree!r}")
+        f = float(f)
+        return 1.0 / f, (f / degree if mean else f)
+
+    def mpi_datatype(self) -> MPI.Datatype:
+        """The datatype that describes a wire buffer to MPI: 2-byte unsigned ints.
+
+        The bits are reinterpreted as :attr:`wire_dtype` inside :meth:`op`;
+        this is also what mpi4py infers for ``wire.view(numpy.uint16)``.
+        """
+        return MPI.UNSIGNED_SHORT
+
+    def op(self) -> MPI.Op:
+        """The commutative MPI op that sums wire buffers in float32.
+
+        Created on the first call and reused until :meth:`free`.
+        """
+        if self._op is None:
+            object.__setattr__(self, "_op", MPI.Op.Create(self._sum, commute=True))
+        return self._op
+
+    def free(self) -> None:
+        """Release the MPI op, if one was created (not collective)."""
+        if self._op is not None:
+            op = self._op
+            object.__setattr__(self, "_op", None)
+            op.Free()
+
+    def _sum(self, inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
+        # Buffers arrive as raw bytes. The ufunc reads both operands as float32
+        # and casts the sum back in its own chunked loop: no temporaries.
+        a = np.frombuffer(inbuf, dtype=self.wire_dtype)
+        b = np.frombuffer(inoutbuf, dtype=self.wire_dtype)
+        with np.errstate(over="ignore"):  # an overflow becomes inf, as a native sum would
+            np.add(a, b, out=b, dtype=np.float32, casting="unsafe")
+
+
+def get_compression(name: Optional[str]) -> Optional[Compression]:
+    """The compression called ``name``, a new instance on each call.
+
+    Args:
+        name: None (no compression), ``"fp16"`` or ``"bf16"``.
+
+    Returns:
+        None for None, else a :class:`Compression` (free it when done).
+
+    Raises:
+        ValueError: ``name`` is not one of the accepted names.
+        ImportError: ``"bf16"`` without ``ml_dtypes`` installed.
+    """
+    if name is None:
+        return None
+    if name == "fp16":
+        return Compression("fp16", np.dtype(np.float16))
+    if name == "bf16":
+        try:
+            import ml_dtypes
+        except ImportError as exc:
+            raise ImportError(
+                "compression='bf16' needs the ml_dtypes package: pip install ml_dtypes "
+                "(or mpi_gradreducer[bf16])"
+            ) from exc
+        return Compression("bf16", np.dtype(ml_dtypes.bfloat16))
+    raise ValueError(
+        f"compression: expected None or one of {', '.join(repr(n) for n in COMPRESSIONS)}, got {name!r}"
+    )
+
+
+def pack(src: Any, wire_view: Any, prescale: float = 1.0) -> None:
+    """Write ``src * prescale`` into ``wire_view``, cast to the wire dtype, in one pass.
+
+    The product is formed in ``src``'s precision and rounded once to the wire
+    dtype. Values beyond the wire format's range become infinities.
+
+    Args:
+        src: a float32 or float64 array (any layout).
+        wire_view: a writeable wire-dtype array of ``src``'s shape, or 1-D
+            with ``src.size`` elements.
+        prescale: the factor (1.0: a plain cast).
+    """
+    out = wire_view if wire_view.shape == src.shape else wire_view.reshape(src.shape)
+    with np.errstate(over="ignore"):
+        if prescale == 1.0:
+            np.copyto(out, src, casting="unsafe")
+        else:
+            np.multiply(src, src.dtype.type(prescale), out=out, dtype=src.dtype, casting="unsafe")
+
+
+def unpack(wire_view: Any, dst: Any, postscale: float = 1.0) -> None:
+    """Write ``wire_view * postscale`` into ``dst``, computed in ``dst``'s precision.
+
+    Args:
+        wire_view: the reduced wire buffer (``dst``'s shape, or 1-D).
+        dst: the float32 or float64 gradient to overwrite (any layout).
+        postscale: the factor (1.0: a plain cast).
+    """
+    src = wire_view if wire_view.shape == dst.shape else wire_view.reshape(dst.shape)
+    if postscale == 1.0:
+        np.copyto(dst, src, casting="unsafe")
+    else:
+        np.multiply(src, dst.dtype.type(postscale), out=dst, dtype=dst.dtype, casting="unsafe")
+
+
+def compressed_allreduce(
+    comm: MPI.Comm,
+    wire_buf: Any,
+    compression: Compression,
+    chunk_bytes: int = transport.CHUNK_BYTES,
+    *,
+    method: str = "alltoall",
+    after: Optional[Callable[[Any], None]] = None,
+) -> None:
+    """Sum a 1-D wire buffer over ``comm`` in place, chunk by chunk.
+
+    Collective: every rank passes a buffer of the same length, the same
+    compression name and the same method. The result is bitwise identical on
+    every rank.
+
+    Args:
+        comm: the communicator.
+        wire_buf: 1-D C-contiguous host array of ``compression.wire_dtype``.
+        compression: the wire format.
+        chunk_bytes: wire bytes per collective.
+        method: ``"alltoall"`` (default): each rank receives every rank's
+            share of one slice of the chunk (``Alltoallv``), adds them in
+            float32 in rank order, rounds once, and the slices are shared
+            again (``Allgatherv``): every element is the correctly rounded
+            float32 sum, and no Python code runs inside MPI. ``"allreduce"``:
+            one ``Allreduce`` with :meth:`Compression.op`; each step of MPI's
+            reduction tree rounds its partial sum to the wire format. Both
+            move the same number of bytes as a bandwidth-optimal Allreduce.
+        after: called with each reduced chunk (a wire-dtype view), e.g. to
+            unpack it while it is still in cache.
+
+    Raises:
+        TypeError: ``wire_buf`` does not have the wire dtype.
+        ValueError: ``wire_buf`` is not 1-D and contiguous, or an unknown
+            ``method``.
+    """
+    if wire_buf.dtype != compression.wire_dtype:
+        raise TypeError(
+            f"wire_buf: expected dtype {compression.wire_dtype} (compression {compression.name!r}), "
+            f"got {wire_buf.dtype}"
+        )
+    if wire_buf.ndim != 1 or not wire_buf.flags.c_contiguous:
+        raise ValueError(f"wire_buf: expected a 1-D contiguous array, got shape {wire_buf.shape}")
+    reduce = _ChunkReducer(comm, compression, chunk_bytes, method)
+    for start in range(0, wire_buf.shape[0], reduce.step):
+        chunk = wire_buf[start : start + reduce.step]
+        reduce(chunk)
+        if after is not None:
+            after(chunk)
+
+
+def reduce_array(
+    comm: MPI.Comm,
+    array: Any,
+    compression: Compression,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    chunk_bytes: int = transport.CHUNK_BYTES,
+    *,
+    method: str = "alltoall",
+    after: Optional[Callable[[Any], None]] = None,
+) -> None:
+    """Reduce one float32/float64 array in place through a one-chunk wire buffer.
+
+    Chunk by chunk: :func:`pack` with ``prescale``, sum across ranks as
+    :func:`compressed_allreduce` does, :func:`unpack` with ``postscale``.
+    The chunk stays in cache from the pack to the unpack, and the only extra
+    memory is one chunk of wire buffer: the path for large gradients.
+
+    Args:
+        comm: the communicator (collective, as :func:`compressed_allreduce`).
+        array: a writeable, C-contiguous float32 or float64 array.
+        compression: the wire format.
+        prescale: factor applied before the cast to the wire format.
+        postscale: factor applied after the cast back.
+        chunk_bytes: wire bytes per collective.
+        method: as in :func:`compressed_allreduce`.
+        after: called with each finished part of ``array`` (a 1-D view of
+            its dtype, unpacked and post-scaled), e.g. to test it for NaN.
+
+    Raises:
+        TypeError: ``array``'s dtype is not compressible.
+        ValueError: ``array`` is not C-contiguous, or an unknown ``method``.
+    """
+    if not compression.applies_to(array.dtype):
+        raise TypeError(f"array: expected a float32 or float64 array, got dtype {array.dtype}")
+    if not array.flags.c_contiguous:
+        raise ValueError("array: expected a C-contiguous array")
+    flat = array.reshape(-1)
+    reduce = _ChunkReducer(comm, compression, chunk_bytes, method)
+    wire = np.empty(min(reduce.step, flat.shape[0]), dtype=compression.wire_dtype)
+    for start in range(0, flat.shape[0], reduce.step):
+        part = flat[start : start + reduce.step]
+        w = wire[: part.shape[0]]
+        pack(part, w, prescale)
+        reduce(w)
+        unpack(w, part, postscale)
+        if after is not None:
+            after(part)
+
+
+_METHODS = ("alltoall", "allreduce")
+
+
+class _ChunkReducer:
+    """Sums one wire chunk at a time across ``comm``, reusing its scratch buffers."""
+
+    def __init__(self, comm: MPI.Comm, compression: Compression, chunk_bytes: int, method: str) -> None:
+        if method not in _METHODS:
+            raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
+        self.comm = comm
+        self.compression = compression
+        self.method = method
+        self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
+        self.step = max(1, int(chunk_bytes) // compression.wire_dtype.itemsize)
+        self._recv: Any = None
+        self._acc: Any = None
+        self._layout: tuple[int, list[int], list[int], int] = (-1, [], [], 0)
+
+    def __call__(self, chunk: Any) -> None:
+        if self.size == 1 or chunk.shape[0] == 0:
+            return
+        if self.method == "allreduce":
+            self.comm.Allreduce(MPI.IN_PLACE, [chunk.view(np.uint16), self.compression.mpi_datatype()],
+                                op=self.compression.op())
+            return
+        n, counts, displs, mine = self._split(chunk.shape[0])
+        size = self.size
+        if self._recv is None or self._recv.shape[0] < size * mine:
+            share = -(-min(self.step, max(n, 1)) // size)
+            self._recv = np.empty(size * max(share, mine), dtype=np.uint16)
+            self._acc = np.empty(max(share, mine), dtype=np.float32)
+        bits = chunk.view(np.uint16)
+        recv = self._recv[: size * mine]
+        u16 = self.compression.mpi_datatype()
+        self.comm.Alltoallv(
+            [bits, (counts, displs), u16],
+            [recv, ([mine] * size, [k * mine for k in range(size)]), u16],
+        )
+        rows = recv.view(self.compression.wire_dtype).reshape(size, mine)
+        acc = self._acc[:mine]
+        np.copyto(acc, rows[0], casting="unsafe")
+        for k in range(1, size):  # rank order: the same bits wherever it is computed
+            np.add(acc, rows[k], out=acc, dtype=np.float32, casting="unsafe")
+        seg = chunk[displs[self.rank] : displs[self.rank] + mine]
+        with np.errstate(over="ignore"):
+            np.copyto(seg, acc, casting="unsafe")
+        self.comm.Allgatherv(MPI.IN_PLACE, [bits, (counts, displs), u16])
+
+    def _split(self, n: int) -> tuple[int, list[int], list[int], int]:
+        """Slice k of an ``n``-element chunk is summed by rank k."""
+        if self._layout[0] != n:
+            size = self.size
+            bounds = [k * n // size for k in range(size + 1)]
+            counts = [bounds[k + 1] - bounds[k] for k in range(size)]
+            self._layout = (n, counts, bounds[:-1], counts[self.rank])
+        return self._layout
