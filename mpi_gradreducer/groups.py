@@ -9,7 +9,10 @@ from mpi4py import MPI
 
 from . import agreement, backend
 
-__all__ = ["create_group", "broadcast_parameters", "local_rank", "select_device"]
+__all__ = ["create_group", "broadcast_parameters", "local_rank", "processor_names", "select_device"]
+
+#: Bytes of a processor name in the fixed-size gather.
+_NAME_BYTES = 256
 
 
 def create_group(ranks: Sequence[int], comm: Optional[MPI.Intracomm] = None) -> Optional[MPI.Intracomm]:
@@ -138,3 +141,17 @@ def select_device(comm: Optional[MPI.Intracomm] = None) -> int:
     device = rank % count
     cupy.cuda.Device(device).use()
     return device
+
+
+def processor_names(comm: Optional[MPI.Intracomm] = None) -> list[str]:
+    """Every rank's processor (host) name, in rank order, on every rank (collective).
+
+    Gathered as fixed-size byte buffers: nothing is pickled.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    name = np.zeros(_NAME_BYTES, dtype=np.uint8)
+    raw = MPI.Get_processor_name().encode()[:_NAME_BYTES]
+    name[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    table = np.empty((comm.Get_size(), _NAME_BYTES), dtype=np.uint8)
+    comm.Allgather(name, table)
+    return [row.tobytes().rstrip(b"\0").decode(errors="replace") for row in table]

@@ -596,8 +596,9 @@ class DistributedGradReducer:
             t2 = time.perf_counter()
             f.unpack(members, post, skip)
         elif not skip and (run := f.in_place(members)) is not None:
+            t1 = t0  # nothing to pack
             self._allreduce(k, run, self._scale)
-            t2 = t1 = time.perf_counter()
+            t2 = time.perf_counter()
         else:
             f.pack(members, 1.0, skip)
             t1 = time.perf_counter()

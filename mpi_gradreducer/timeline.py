@@ -23,12 +23,12 @@ from typing import Any, Optional
 import numpy as np
 from mpi4py import MPI
 
+from .groups import processor_names
+
 __all__ = ["Timeline"]
 
 #: Ping-pong exchanges per remote rank when estimating clock offsets.
 _SYNC_ROUNDS = 8
-#: Bytes of a processor name in the fixed-size gather.
-_NAME_BYTES = 256
 
 
 class Timeline:
@@ -104,7 +104,7 @@ class Timeline:
         self._closed = True
         comm = self._comm.Dup()
         try:
-            hosts = _gather_names(comm)
+            hosts = processor_names(comm)
             offset = _clock_offset(comm, hosts, _SYNC_ROUNDS)
             mine = {
                 "offset_us": offset * 1e6,
@@ -132,7 +132,7 @@ def _clock_offset(comm: MPI.Intracomm, hosts: list[str], rounds: int) -> float:
 
     Args:
         comm: a communicator with no other traffic in flight.
-        hosts: every rank's processor name, as from :func:`_gather_names`.
+        hosts: every rank's processor name, as from :func:`~mpi_gradreducer.groups.processor_names`.
         rounds: exchanges per remote rank; the shortest round trip wins.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
@@ -153,16 +153,6 @@ def _clock_offset(comm: MPI.Intracomm, hosts: list[str], rounds: int) -> float:
                 if t1 - t0 < best[0]:
                     best = (t1 - t0, (t0 + t1) / 2 - float(buf[0]))
     return best[1]
-
-
-def _gather_names(comm: MPI.Intracomm) -> list[str]:
-    """Every rank's processor name, in rank order, on every rank."""
-    name = np.zeros(_NAME_BYTES, dtype=np.uint8)
-    raw = MPI.Get_processor_name().encode()[:_NAME_BYTES]
-    name[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    table = np.empty((comm.Get_size(), _NAME_BYTES), dtype=np.uint8)
-    comm.Allgather(name, table)
-    return [row.tobytes().rstrip(b"\0").decode(errors="replace") for row in table]
 
 
 def _gather_bytes(comm: MPI.Intracomm, blob: np.ndarray) -> Optional[list[bytes]]:

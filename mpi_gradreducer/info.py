@@ -1,0 +1,188 @@
+"""One screen about the environment: versions, the MPI library, GPUs and where the ranks run.
+
+Run it as ``python -m mpi_gradreducer.info``, or under ``mpiexec -n 4`` to see
+the hosts and ranks per node of a launch. Only rank 0 prints; ``--json``
+prints the same facts as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from typing import Any, Optional, Sequence, TextIO
+
+import mpi4py
+import numpy as np
+from mpi4py import MPI
+
+from . import __version__, transport
+from .groups import processor_names
+
+__all__ = ["collect", "format_report", "main"]
+
+#: Bytes per processor name in the fixed-size Allgather.
+
+
+def collect(comm: Optional[MPI.Intracomm] = None) -> dict[str, Any]:
+    """Facts about this process, its MPI library and the job (collective over ``comm``).
+
+    Library versions, MPI details and cupy are this rank's view; ``hosts`` and
+    ``ranks_per_node`` describe the whole communicator and are the same on
+    every rank.
+
+    Args:
+        comm: the ranks to describe; default ``MPI.COMM_WORLD``.
+
+    Returns:
+        A dict of plain values (JSON-serialisable). Keys: ``mpi_gradreducer``,
+        ``python``, ``numpy``, ``mpi4py``, ``mpi_library``, ``mpi_vendor``,
+        ``mpi_standard``, ``thread_level``, ``cuda_aware``, ``cuda_aware_source``,
+        ``cupy``, ``cupy_devices``, ``rank``, ``ranks``, ``hosts`` (host name to
+        its ranks, in rank order), ``nodes`` and ``ranks_per_node`` (one count
+        per shared-memory node, by ``Split_type(COMM_TYPE_SHARED)``).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        cuda_aware, cuda_source = transport.cuda_support()
+    except ValueError as exc:  # a malformed override: say so instead of failing
+        cuda_aware, cuda_source = None, str(exc)
+    cupy_version, cupy_devices = _cupy()
+    vendor, vendor_version = MPI.get_vendor()
+    info: dict[str, Any] = {
+        "mpi_gradreducer": __version__,
+        "python": f"{platform.python_version()} ({platform.python_implementation()}, {sys.executable})",
+        "numpy": np.__version__,
+        "mpi4py": mpi4py.__version__,
+        "mpi_library": " ".join(MPI.Get_library_version().strip().splitlines()[0].split()),
+        "mpi_vendor": f"{vendor} {'.'.join(str(v) for v in vendor_version)}",
+        "mpi_standard": "{}.{}".format(*MPI.Get_version()),
+        "thread_level": _thread_level_name(MPI.Query_thread()),
+        "cuda_aware": cuda_aware,
+        "cuda_aware_source": cuda_source,
+        "cupy": cupy_version,
+        "cupy_devices": cupy_devices,
+        "rank": comm.Get_rank(),
+        "ranks": comm.Get_size(),
+    }
+    info.update(_placement(comm))
+    return info
+
+
+def format_report(info: dict[str, Any]) -> str:
+    """The facts from :func:`collect` as an aligned, human-readable screen."""
+    aware = {True: "yes", False: "no", None: "unknown"}[info["cuda_aware"]]
+    if info["cupy"] is None:
+        cupy = "not installed"
+    elif isinstance(info["cupy_devices"], int):
+        cupy = f"{info['cupy']}, {info['cupy_devices']} CUDA device(s) seen by rank 0"
+    else:
+        cupy = f"{info['cupy']}, no CUDA device usable ({info['cupy_devices']})"
+    hosts = ", ".join(f"{host} ({_ranges(ranks)})" for host, ranks in info["hosts"].items())
+    per_node = info["ranks_per_node"]
+    per_node_text = str(per_node[0]) if len(set(per_node)) == 1 else " + ".join(map(str, per_node))
+    rows = [
+        ("mpi_gradreducer", info["mpi_gradreducer"]),
+        ("Python", info["python"]),
+        ("numpy", info["numpy"]),
+        ("mpi4py", info["mpi4py"]),
+        ("MPI library", info["mpi_library"]),
+        ("MPI vendor", info["mpi_vendor"]),
+        ("MPI standard", info["mpi_standard"]),
+        ("thread level", f"{info['thread_level']} (provided)"),
+        ("CUDA-aware MPI", f"{aware} (from {info['cuda_aware_source']})"),
+        ("cupy", cupy),
+        ("ranks", str(info["ranks"])),
+        ("hosts", f"{len(info['hosts'])}: {hosts}"),
+        ("nodes", f"{info['nodes']} (shared-memory domains)"),
+        ("ranks per node", per_node_text),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None) -> int:
+    """Print the report on rank 0 of ``MPI.COMM_WORLD`` (collective).
+
+    Args:
+        argv: command-line arguments (default: ``sys.argv[1:]``).
+        out: where rank 0 writes (default: standard output).
+
+    Returns:
+        The exit status, 0.
+    """
+    parser = argparse.ArgumentParser(prog="python -m mpi_gradreducer.info", description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    args = parser.parse_args(argv)
+    info = collect(MPI.COMM_WORLD)
+    if info["rank"] == 0:
+        stream = sys.stdout if out is None else out
+        text = json.dumps(info, indent=2) if args.json else format_report(info)
+        stream.write(text + "\n")
+        stream.flush()
+    return 0
+
+
+def _thread_level_name(level: int) -> str:
+    names = {
+        MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+        MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+        MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+        MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE",
+    }
+    return names.get(level, f"unknown ({level})")
+
+
+def _cupy() -> tuple[Optional[str], Any]:
+    """(cupy's version or None if it does not import, device count or why there is none)."""
+    try:
+        import cupy
+    except Exception:  # not installed, or a broken install: either way, no cupy
+        return None, None
+    try:
+        return cupy.__version__, int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver, no device
+        return cupy.__version__, f"{type(exc).__name__}: {exc}".strip()[:200]
+
+
+def _placement(comm: MPI.Intracomm) -> dict[str, Any]:
+    """Host names and shared-memory nodes of all ranks, gathered buffer-based."""
+    size = comm.Get_size()
+    hosts: dict[str, list[int]] = {}
+    for r, host in enumerate(processor_names(comm)):
+        hosts.setdefault(host, []).append(r)
+
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        # A node is named by the rank (in comm) of its first member.
+        leader = np.array([comm.Get_rank()], dtype=np.int64)
+        node.Bcast(leader, root=0)
+    finally:
+        node.Free()
+    leaders = np.empty(size, dtype=np.int64)
+    comm.Allgather(leader, leaders)
+    first, counts = np.unique(leaders, return_counts=True)
+    return {
+        "hosts": hosts,
+        "nodes": int(first.size),
+        "ranks_per_node": [int(c) for c in counts],
+    }
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"ranks 0-2, 5"``."""
+    parts = []
+    start = prev = ranks[0]
+    for r in list(ranks[1:]) + [None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(parts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
