@@ -53,6 +53,7 @@ class Settings:
     momentum: float = 0.9
     hidden: int = 128
     seed: int = 0
+    overlap: bool = False
     dtype: Any = np.float32
 
 
@@ -131,7 +132,12 @@ def accuracy(params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray) -> floa
 
 
 def forward_backward(
-    params: Sequence[np.ndarray], x: np.ndarray, y: np.ndarray, scale: float, grads: Sequence[np.ndarray]
+    params: Sequence[np.ndarray],
+    x: np.ndarray,
+    y: np.ndarray,
+    scale: float,
+    grads: Sequence[np.ndarray],
+    ready: Optional[Callable[[int], None]] = None,
 ) -> float:
     """``scale`` times the summed cross-entropy of the rows of ``x``, and its gradient.
 
@@ -141,6 +147,9 @@ def forward_backward(
         y: their labels.
         scale: factor on the summed loss (``1 / batch`` gives the batch mean).
         grads: arrays shaped like ``params``; the gradient is written into them.
+        ready: called with ``i`` as soon as ``grads[i]`` is final (backward
+            order: the last layer first), e.g. ``step.ready`` of an overlapped
+            reduction.
 
     Returns:
         The scaled loss.
@@ -160,10 +169,16 @@ def forward_backward(
     d_z *= scale
     np.matmul(hidden.T, d_z, out=g_w2)
     np.sum(d_z, axis=0, out=g_b2)
+    if ready is not None:
+        ready(3)
+        ready(2)
     d_pre = d_z @ w2.T
     d_pre[pre <= 0] = 0
     np.matmul(x.T, d_pre, out=g_w1)
     np.sum(d_pre, axis=0, out=g_b1)
+    if ready is not None:
+        ready(1)
+        ready(0)
     return loss
 
 
@@ -209,10 +224,18 @@ class Trainer:
         params: ``[w1, b1, w2, b2]``, the same on every rank.
         lr: learning rate.
         momentum: momentum factor.
+        overlap: reduce each gradient's bucket as soon as backward has
+            produced it (``reducer.begin`` / ``step.ready`` / ``step.wait``)
+            instead of after the whole backward pass.
     """
 
-    def __init__(self, comm: Optional[MPI.Intracomm], params: list[np.ndarray], lr: float, momentum: float) -> None:
+    def __init__(
+        self, comm: Optional[MPI.Intracomm], params: list[np.ndarray], lr: float, momentum: float,
+        overlap: bool = False,
+    ) -> None:
         self.comm = comm
+        self.overlap = overlap and comm is not None
+        self._step: Any = None
         self.params = params
         self.optimizer = Momentum(params, lr, momentum)
         slots = params + [np.zeros(1, params[0].dtype)]  # the gradients, then the loss
@@ -230,14 +253,27 @@ class Trainer:
         return 1 if self.comm is None else self.comm.Get_size()
 
     def compute(self, x: np.ndarray, y: np.ndarray, batch: int) -> None:
-        """This rank's share of the gradient of the mean loss over a global batch of ``batch`` rows."""
+        """This rank's share of the gradient of the mean loss over a global batch of ``batch`` rows.
+
+        With ``overlap``, each gradient's bucket starts reducing as soon as
+        backward has written it.
+        """
         scale = self.ranks / batch
+        ready = None
+        if self.overlap:
+            self._step = self.reducer.begin(self.grads)
+            ready = self._step.ready
         self.grads[-1][0] = forward_backward(self.params, x.astype(self.params[0].dtype, copy=False), y,
-                                             scale, self.grads[:-1])
+                                             scale, self.grads[:-1], ready)
+        if ready is not None:
+            ready(len(self.grads) - 1)  # the loss
 
     def reduce(self) -> None:
         """Average the gradients (and the loss) over the ranks, in place."""
-        if self.reducer is not None:
+        if self._step is not None:
+            self._step.wait()
+            self._step = None
+        elif self.reducer is not None:
             self.reducer(self.grads)
 
     def update(self) -> float:
@@ -283,7 +319,7 @@ def train(
     # Each rank draws different weights; rank 0's reach everyone.
     params = init_params(data.x_train.shape[1], settings.hidden, 10, settings.seed + rank, settings.dtype)
     broadcast_parameters(params, root=0, group=comm)
-    trainer = Trainer(comm, params, settings.lr, settings.momentum)
+    trainer = Trainer(comm, params, settings.lr, settings.momentum, settings.overlap)
     x_train = data.x_train.astype(settings.dtype)
     epochs = [global_batches(len(x_train), settings.batch_size, settings.seed, e) for e in range(settings.epochs)]
     bar = _progress_bar(sum(len(b) for b in epochs)) if progress else None
@@ -433,6 +469,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves")
     parser.add_argument("--timeline", metavar="JSON", help="write a Chrome trace of every rank's phases")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overlap", action="store_true",
+                        help="start reducing each layer's gradients during backward (begin/ready/wait)")
     parser.add_argument("--check-equivalence", action="store_true",
                         help="compare data-parallel with single-process training (float64) and exit")
     parser.add_argument("--steps", type=int, default=30, help="steps of --check-equivalence")
@@ -456,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0 if ok else 1
 
     settings = Settings(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                        momentum=args.momentum, seed=args.seed)
+                        momentum=args.momentum, seed=args.seed, overlap=args.overlap)
     say(f"digits: {len(data.x_train)} training and {len(data.x_test)} test images; "
         f"{size} rank(s), global batch {settings.batch_size} "
         f"(~{settings.batch_size / size:g} per rank), {settings.epochs} epochs")

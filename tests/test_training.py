@@ -165,3 +165,20 @@ def test_command_line_prints_accuracy_and_writes_plot_and_timeline() -> None:
         assert text == ""
     assert status == 0 and check == 0
     assert WORLD.bcast(verdict) == (True, True, True, True)
+
+
+def test_overlapped_steps_give_bitwise_the_same_parameters() -> None:
+    data = _synthetic(3)
+    results = []
+    for overlap in (False, True):
+        params = td.init_params(data.x_train.shape[1], 32, 10, 7, np.float64)
+        trainer = td.Trainer(WORLD, params, 0.05, 0.9, overlap=overlap)
+        try:
+            for batch in td.global_batches(len(data.x_train), 48, 0, 0)[:6]:
+                mine = td.my_share(batch, WORLD.Get_rank(), WORLD.Get_size())
+                trainer.step(data.x_train[mine], data.y_train[mine], len(batch))
+        finally:
+            trainer.free()
+        results.append([p.copy() for p in params])
+    for a, b in zip(*results):
+        assert a.tobytes() == b.tobytes()
