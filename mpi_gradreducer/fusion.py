@@ -9,7 +9,7 @@ import numpy as np
 from . import backend
 from .planning import Bucket
 
-__all__ = ["FusionBuffer", "largest_finite"]
+__all__ = ["FusionBuffer", "join_runs", "largest_finite"]
 
 
 class FusionBuffer:
@@ -36,11 +36,11 @@ class FusionBuffer:
         #: Kernel launches made by device packs and unpacks (for benchmarks).
         self.launches = 0
 
-    def allocate(self) -> Any:
-        """The buffer, allocated on the first call."""
-        if self.buffer is None:
+    def allocate(self, buffer: Any = None) -> Any:
+        """The buffer: allocated on the first call, or ``buffer`` (a 1-D slice of a larger block)."""
+        if buffer is not None or self.buffer is None:
             b = self.bucket
-            self.buffer = backend.empty(b.count, b.wire_dtype, b.device)
+            self.buffer = backend.empty(b.count, b.wire_dtype, b.device) if buffer is None else buffer
             self.views = [
                 self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
             ]
@@ -119,6 +119,25 @@ class FusionBuffer:
             src, dst = (v, g) if unpack else (g, v)
             dst[...] = src if scale == 1.0 else src * scale
             self.launches += 1
+
+
+def join_runs(a: Any, b: Any) -> Optional[Any]:
+    """One 1-D view covering host runs ``a`` and ``b`` when ``b`` starts where ``a`` ends, else None.
+
+    Both must be views of one C-contiguous base array of their dtype (as the
+    blocks of ``allocate_grads`` are), so that one chunked Allreduce can run
+    across the boundary.
+    """
+    base = a.base
+    if not isinstance(base, np.ndarray) or b.base is not base or base.dtype != a.dtype or b.dtype != a.dtype:
+        return None
+    if not base.flags.c_contiguous:
+        return None
+    start = a.__array_interface__["data"][0]
+    if b.__array_interface__["data"][0] != start + a.nbytes:
+        return None
+    first = (start - base.__array_interface__["data"][0]) // a.itemsize
+    return base.reshape(-1)[first : first + a.size + b.size]
 
 
 def largest_finite(dtype: np.dtype) -> float:

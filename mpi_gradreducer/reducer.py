@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend, compression as wire, planning, transport
-from .fusion import FusionBuffer, largest_finite
+from .fusion import FusionBuffer, join_runs, largest_finite
 from .sparse import RowSparse, allgather_rowsparse
 from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
@@ -26,7 +26,7 @@ __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DI
 DEFAULT_BUCKET_BYTES = 4 << 20
 #: Parameters from this size up travel alone and, when contiguous, are reduced
 #: in place without a copy: packing them costs more than a separate message.
-DIRECT_BYTES = 256 << 10
+DIRECT_BYTES = 1 << 20
 #: Cap on the first bucket (in backward order), so that overlapped
 #: communication starts early, as PyTorch DDP does.
 FIRST_BUCKET_BYTES = 1 << 20
@@ -46,6 +46,8 @@ class ReducerStats:
 
     Attributes:
         calls: completed reductions.
+        messages: ``Allreduce`` calls made (buckets are sent in chunks of
+            ``transport.CHUNK_BYTES``; adjacent buckets as one run).
         bytes: bytes handed to MPI, summed over calls.
         pack_seconds: time spent copying gradients into fusion buffers.
         allreduce_seconds: time spent in MPI (including in-place scaling).
@@ -53,6 +55,7 @@ class ReducerStats:
     """
 
     calls: int = 0
+    messages: int = 0
     bytes: int = 0
     pack_seconds: float = 0.0
     allreduce_seconds: float = 0.0
@@ -309,15 +312,26 @@ class DistributedGradReducer:
 
         Write gradients into these (e.g. ``np.matmul(..., out=g)``) and pass
         the list back: buckets made of these views are reduced where they lie,
-        with no packing copy (PyTorch DDP's ``gradient_as_bucket_view``).
+        with no packing copy (PyTorch DDP's ``gradient_as_bucket_view``). The
+        buckets of one device and dtype are laid out back to back in one
+        block, in plan order, so that consecutive buckets are reduced as one
+        run, chunked across their boundaries.
 
         Returns:
             One zero-filled array per parameter, with its shape and dtype.
         """
         grads: list[Any] = [None] * len(self._specs)
+        groups: dict[tuple[str, str], list[FusionBuffer]] = {}
         for f in self._fusion:
             if f.native:
-                f.allocate()[...] = 0
+                groups.setdefault((f.bucket.device, f.bucket.dtype.str), []).append(f)
+        for (device, _), members in groups.items():
+            block = backend.empty(sum(f.bucket.count for f in members), members[0].bucket.dtype, device)
+            block[...] = 0
+            offset = 0
+            for f in members:
+                f.allocate(block[offset : offset + f.bucket.count])
+                offset += f.bucket.count
                 for i, v in zip(f.bucket.indices, f.views):
                     grads[i] = self._own_views[i] = v
         for i, spec in enumerate(self._specs):
@@ -510,19 +524,35 @@ class DistributedGradReducer:
                     return error
         self._sparse = tuple(sparse)
         if aliasing:
-            buffers = {id(f.buffer) for f in self._fusion if f.buffer is not None}
+            buffers = {id(_owner(f.buffer)) for f in self._fusion if f.buffer is not None}
             dense = [i for i in self._bucketed if i not in sparse] if sparse else self._bucketed
             return _aliasing_error(grads, dense, own, buffers)
         return None
 
     def _run_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool = False) -> None:
-        """Reduce buckets ``ks`` in order; consecutive device buckets go through one pipeline."""
+        """Reduce buckets ``ks`` in order.
+
+        Consecutive host buckets that lie back to back in memory are reduced
+        as one run; consecutive device buckets go through one pipeline.
+        """
         start = 0
         while start < len(ks):
             device = self._fusion[ks[start]].bucket.device
             end = start + 1
             if backend.is_host(device):
-                self._run_bucket(ks[start], grads)
+                run = self._in_place_run(ks[start], grads)
+                if run is None:
+                    self._run_bucket(ks[start], grads)
+                else:
+                    while end < len(ks) and (nxt := self._in_place_run(ks[end], grads)) is not None:
+                        joined = join_runs(run, nxt)
+                        if joined is None:
+                            break
+                        run, end = joined, end + 1
+                    t0 = time.perf_counter()
+                    self._allreduce(ks[start], run, self._scale)
+                    t2 = time.perf_counter()
+                    self._count(ks[start:end], t0, t0, t2, t2)
             else:
                 while end < len(ks) and self._fusion[ks[end]].bucket.device == device:
                     end += 1
@@ -579,8 +609,18 @@ class DistributedGradReducer:
         stats.allreduce_seconds += t2 - t1
         stats.unpack_seconds += t3 - t2
 
+    def _in_place_run(self, k: int, grads: Sequence[Any]) -> Optional[Any]:
+        """The 1-D view over bucket ``k``'s host gradients where they lie, if it can be reduced so."""
+        f = self._fusion[k]
+        if not backend.is_host(f.bucket.device) or not f.native:
+            return None
+        members = [grads[i] for i in f.bucket.indices]
+        if self._sparse and any(i in self._sparse for i in f.bucket.indices):
+            return None
+        return f.in_place(members)
+
     def _run_bucket(self, k: int, grads: Sequence[Any]) -> None:
-        """Reduce bucket ``k`` of ``grads``: in place where possible, else pack, sum, unpack."""
+        """Reduce bucket ``k`` of ``grads`` by packing, summing and unpacking."""
         f = self._fusion[k]
         members = [grads[i] for i in f.bucket.indices]
         skip = [i in self._sparse for i in f.bucket.indices] if self._sparse else ()
@@ -595,10 +635,6 @@ class DistributedGradReducer:
                              self._compression, after=self._finite_check(k))
             t2 = time.perf_counter()
             f.unpack(members, post, skip)
-        elif not skip and (run := f.in_place(members)) is not None:
-            t1 = t0  # nothing to pack
-            self._allreduce(k, run, self._scale)
-            t2 = time.perf_counter()
         else:
             f.pack(members, 1.0, skip)
             t1 = time.perf_counter()
@@ -609,8 +645,8 @@ class DistributedGradReducer:
         self._count((k,), t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
-        self._collective(self._describe_bucket(k), transport.allreduce, self._comm, buf, scale,
-                         after=self._finite_check(k))
+        self.stats.messages += self._collective(self._describe_bucket(k), transport.allreduce, self._comm,
+                                                buf, scale, after=self._finite_check(k))
 
     def _describe_bucket(self, k: int) -> Callable[[], str]:
         return lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)"
@@ -711,10 +747,7 @@ def _aliasing_error(
         g = grads[i]
         if g is own[i]:
             continue
-        base = getattr(g, "base", None)
-        while base is not None:  # the object that owns the memory
-            g, base = base, getattr(base, "base", None)
-        key = id(g)
+        key = id(_owner(g))
         if key in owners or key in buffers:
             shared = True
         owners.setdefault(key, []).append(i)
@@ -722,13 +755,21 @@ def _aliasing_error(
         return None
     for i in indices:
         if grads[i] is own[i]:
-            owners.setdefault(id(grads[i].base), []).append(i)
+            owners.setdefault(id(_owner(grads[i])), []).append(i)
     for members in owners.values():
         if len(members) > 1:
             error = _overlap_error(grads, members)
             if error is not None:
                 return error
     return None
+
+
+def _owner(a: Any) -> Any:
+    """The object that owns ``a``'s memory (the end of its chain of bases)."""
+    base = getattr(a, "base", None)
+    while base is not None:
+        a, base = base, getattr(base, "base", None)
+    return a
 
 
 def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exception]:

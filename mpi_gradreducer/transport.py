@@ -17,7 +17,7 @@ CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
 #: still in cache when it is scaled or unpacked.
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 4 << 20
 
 
 def allreduce(
@@ -27,7 +27,7 @@ def allreduce(
     chunk_bytes: int = CHUNK_BYTES,
     op: MPI.Op = MPI.SUM,
     after: Optional[Callable[[Any], None]] = None,
-) -> None:
+) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
     Each chunk is multiplied by ``scale`` right after its Allreduce, while it
@@ -40,10 +40,15 @@ def allreduce(
         chunk_bytes: bytes per Allreduce.
         op: the MPI reduction.
         after: called with each reduced (and scaled) chunk.
+
+    Returns:
+        The number of ``Allreduce`` calls made.
     """
     n = buf.shape[0]
     step = max(1, chunk_bytes // max(1, buf.itemsize))
+    calls = 0
     for start in range(0, n, step):
+        calls += 1
         chunk = buf[start : start + step]
         comm.Allreduce(MPI.IN_PLACE, chunk, op=op)
         if scale != 1.0:
@@ -52,6 +57,7 @@ def allreduce(
             np.multiply(real, scale, out=real)
         if after is not None:
             after(chunk)
+    return calls
 
 
 def cuda_support() -> tuple[Optional[bool], str]:

@@ -146,6 +146,27 @@ def test_bucket_views_are_reduced_where_they_lie(comm):
         assert all(np.shares_memory(g, grads[0].base) for g in grads)
 
 
+def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
+    from mpi_gradreducer.transport import CHUNK_BYTES
+
+    shapes = [(700, 1024), (3,), (300, 1024), (5, 5), (1200, 1024), (17,)]  # large and small, float32
+    params = _params(shapes)
+    with DistributedGradReducer(params, group=comm) as reducer:
+        assert len(reducer.buckets) >= 4
+        grads = reducer.allocate_grads()
+        owners = {id(g.base) for g in grads}
+        assert len(owners) == 1  # one block for the whole float32 plan
+        for k in (1.0, 2.0):
+            for g in grads:
+                g[...] = rank_value(comm, k)
+            before = reducer.stats.messages
+            reducer(grads)
+            total = sum(int(np.prod(s)) for s in shapes) * 4
+            assert reducer.stats.messages - before == -(-total // CHUNK_BYTES)
+            for g in grads:
+                np.testing.assert_allclose(g, expected_mean(comm, k))
+
+
 def test_even_odd_groups_average_inside_their_group():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     evens, odds = list(range(0, size, 2)), list(range(1, size, 2))
