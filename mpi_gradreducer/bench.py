@@ -787,6 +787,67 @@ def _allreduce_curve(comm: MPI.Intracomm, reps: int, warmup: int) -> List[Dict[s
 # -- output -----------------------------------------------------------------------------
 
 
+def _bench_overlap(comm: MPI.Intracomm, layers: int, width: int, batch: int, reps: int,
+                   warmup: int) -> Dict[str, Any]:
+    """A training step = backward compute + reduction, sequential and overlapped, interleaved.
+
+    The "model" is ``layers`` float32 weight matrices of ``width`` x ``width``;
+    the backward of layer ``i`` computes ``X.T @ (X @ W[i])`` into its gradient
+    (two matmuls of a ``batch`` x ``width`` activation), last layer first.
+    ``sequential`` runs backward, then ``reducer(grads)``; ``overlapped`` runs
+    ``reducer.begin(grads)``, declares each layer's gradient ready as soon as
+    it is written, and ends with ``step.wait()``.
+    """
+    rng = np.random.default_rng(comm.Get_rank())
+    weights = [rng.standard_normal((width, width)).astype(np.float32) / width for _ in range(layers)]
+    x = rng.standard_normal((batch, width)).astype(np.float32)
+    reducer = DistributedGradReducer(weights, group=comm)
+    grads = reducer.allocate_grads()
+    hidden = np.empty((batch, width), np.float32)
+
+    def backward(ready: Optional[Callable[[int], None]] = None) -> None:
+        for i in reversed(range(layers)):
+            np.matmul(x, weights[i], out=hidden)
+            np.matmul(x.T, hidden, out=grads[i])
+            if ready is not None:
+                ready(i)
+
+    def overlapped() -> None:
+        step = reducer.begin(grads)
+        backward(step.ready)
+        step.wait()
+
+    def sequential() -> None:
+        backward()
+        reducer(grads)
+
+    nothing = lambda: None  # noqa: E731 (the gradients are rewritten by each run)
+    cases = [Case("compute", nothing, backward), Case("reduce", nothing, lambda: reducer(grads)),
+             Case("sequential", nothing, sequential), Case("overlapped", nothing, overlapped)]
+    try:
+        times = time_cases(comm, cases, reps, warmup)
+    finally:
+        reducer.free()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "layers": layers, "width": width, "batch": batch, "bytes": sum(g.nbytes for g in grads),
+        "median_s": med, "times_s": times,
+        "overlapped_over_sequential": med["overlapped"] / med["sequential"],
+        "ideal_over_sequential": max(med["compute"], med["reduce"]) / med["sequential"],
+    }
+
+
+def _format_overlap(res: Dict[str, Any]) -> str:
+    med = res["median_s"]
+    lines = [f"overlap: {res['layers']} layers of {res['width']}x{res['width']} float32 "
+             f"({res['bytes'] / 1e6:.1f} MB of gradients), batch {res['batch']}"]
+    for name in ("compute", "reduce", "sequential", "overlapped"):
+        lines.append(f"  {name:<12} {med[name] * 1e3:9.2f} ms")
+    lines.append(f"  overlapped / sequential = {res['overlapped_over_sequential']:.2f} "
+                 f"(ideal max(compute, reduce) / sequential = {res['ideal_over_sequential']:.2f})")
+    return "\n".join(lines)
+
+
 def _environment(comm: MPI.Comm, argv: Sequence[str]) -> Dict[str, Any]:
     import mpi4py
 
@@ -955,6 +1016,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep", nargs="*", choices=SWEEPS, default=None,
                    help="also run these experiments (no value: all): the reducer's bucket_bytes on resnet50 "
                         "and many-small; the transport's chunk size; packing a tensor or reducing it alone")
+    p.add_argument("--overlap", nargs=3, type=int, metavar=("LAYERS", "WIDTH", "BATCH"), default=None,
+                   help="also time a step of backward compute + reduction, sequential and overlapped "
+                        "(begin/ready/wait), e.g. --overlap 8 1024 32 (run with OPENBLAS_NUM_THREADS=1)")
     p.add_argument("--json", metavar="PATH", help="write all results and the environment to PATH")
     p.add_argument("--plot", metavar="PATH",
                    help="write a PNG of bus bandwidth against message size (times an Allreduce size sweep)")
@@ -1020,6 +1084,9 @@ def main(argv: Optional[Sequence[str]] = None, comm: Optional[MPI.Intracomm] = N
                 sweeps["direct_bytes"] = _sweep_direct(comm, args.reps, args.warmup)
             results["sweeps"] = sweeps
             say(_format_sweeps(sweeps) + "\n")
+        if args.overlap is not None:
+            results["overlap"] = _bench_overlap(comm, *args.overlap, args.reps, args.warmup)
+            say(_format_overlap(results["overlap"]) + "\n")
         if args.plot:
             results["allreduce_curve"] = _allreduce_curve(comm, args.reps, args.warmup)
         if hasattr(os, "getloadavg"):
