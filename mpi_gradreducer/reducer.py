@@ -13,6 +13,7 @@ from mpi4py import MPI
 
 from . import agreement, backend, compression as wire, planning, transport
 from .fusion import FusionBuffer, join_runs, largest_finite
+from .groups import processor_names
 from .sparse import RowSparse, allgather_rowsparse
 from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
@@ -38,6 +39,7 @@ TIMEOUT_ENV = "MPI_GRADREDUCER_TIMEOUT"
 TIMELINE_ENV = "MPI_GRADREDUCER_TIMELINE"
 
 _VALIDATE_MODES = ("always", "first", "never")
+_PROGRESS_MODES = ("auto", "thread", "deferred")
 
 
 @dataclass
@@ -102,6 +104,14 @@ class DistributedGradReducer:
             (True) or stage them through pinned host buffers (False). Default:
             the environment variable ``MPI_GRADREDUCER_CUDA_AWARE``, else what
             the MPI library says (see ``python -m mpi_gradreducer.info``).
+        progress: how buckets launched by ``begin``/``reduce_async`` advance
+            while the caller computes: ``"thread"``, on a communication thread
+            (needs ``MPI_THREAD_MULTIPLE``); ``"deferred"``, all in ``wait()``
+            (no overlap, no thread: the blocking call's speed); ``"auto"``
+            (default): a thread when MPI grants ``MPI_THREAD_MULTIPLE`` and
+            every rank on a node has at least two cores, else deferred (a
+            busy-waiting MPI thread on a shared core slows the computation
+            more than it hides).
         timeline: a file name: record pack, allreduce and unpack of every
             bucket on every rank, and write them, merged by rank 0, as a Chrome
             trace-event file when the reducer is freed (open it in Perfetto
@@ -132,6 +142,7 @@ class DistributedGradReducer:
         compression: Optional[str] = None,
         predivide: Optional[float] = None,
         coalesce: bool = False,
+        progress: str = "auto",
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -142,7 +153,8 @@ class DistributedGradReducer:
             error = None
             try:
                 self._configure(parameters, mean, degree, fusion_type, fusion, split_indices, bucket_bytes,
-                                skip, validate, timeout, check_finite, cuda_aware, compression, predivide)
+                                skip, validate, timeout, check_finite, cuda_aware, compression, predivide,
+                                progress)
             except (ValueError, TypeError) as exc:
                 error = exc
             agreement.raise_if_any(self._comm, error)
@@ -158,6 +170,8 @@ class DistributedGradReducer:
         self._active: Optional[ReductionStep] = None
         self._control: Optional[MPI.Intracomm] = None
         self._thread: Optional[CommThread] = None
+        self.progress = self._choose_progress()
+        self._deferred: list[int] = []  # buckets launched but not yet reduced ("deferred" progress)
         self._devices: dict[str, tuple[Any, StagingPipeline]] = {}
         self._scale = 1.0 / self.degree if self.mean else 1.0
         self.coalesce = bool(coalesce)
@@ -169,8 +183,21 @@ class DistributedGradReducer:
 
     # -- construction -----------------------------------------------------------------
 
+    def _choose_progress(self) -> str:
+        """The progress mode; ``"auto"`` is decided collectively, the same on every rank."""
+        if self._progress != "auto":
+            return self._progress
+        multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        hosts = processor_names(self._comm)
+        ranks_here = hosts.count(hosts[self._comm.Get_rank()])
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        spare = np.array([int(multiple and cores >= 2 * ranks_here)], dtype=np.int64)
+        self._comm.Allreduce(MPI.IN_PLACE, spare, op=MPI.MIN)
+        return "thread" if spare[0] else "deferred"
+
     def _configure(self, parameters, mean, degree, fusion_type, fusion, split_indices, bucket_bytes,
-                   skip, validate, timeout, check_finite, cuda_aware, compression, predivide) -> None:
+                   skip, validate, timeout, check_finite, cuda_aware, compression, predivide,
+                   progress) -> None:
         self._compression: Optional[wire.Compression] = None
         params = list(parameters)
         specs = []
@@ -231,6 +258,11 @@ class DistributedGradReducer:
             raise ValueError(f"timeout: expected a positive number of seconds or None, got {timeout!r}")
         self._timeout = None if timeout is None else float(timeout)
         self.check_finite = bool(check_finite)
+        if progress not in _PROGRESS_MODES:
+            raise ValueError(f"progress: expected one of {_PROGRESS_MODES}, got {progress!r}")
+        if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            raise ValueError("progress='thread' needs MPI_THREAD_MULTIPLE, which MPI did not grant")
+        self._progress = progress
         if cuda_aware is not None and not isinstance(cuda_aware, (bool, np.bool_)):
             raise TypeError(f"cuda_aware: expected a bool or None, got {type(cuda_aware).__name__} {cuda_aware!r}")
         if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
@@ -244,7 +276,7 @@ class DistributedGradReducer:
         cap = -1 if self._tuner is not None else self._bucket_bytes
         kind = 0 if self._compression is None else 1 + wire.COMPRESSIONS.index(self._compression.name)
         header = (len(self._specs), cap, int(self.mean), self.degree, int(self.cuda_aware), kind,
-                  int(self._predivide * 1e6))
+                  int(self._predivide * 1e6), _PROGRESS_MODES.index(self._progress))
         rows = [header]
         for spec, fid, skip in zip(self._specs, self._ids, self._skip):
             device_kind = 0 if backend.is_host(spec.device) else 1
@@ -255,7 +287,7 @@ class DistributedGradReducer:
         if index == 0:
             names = (None,) + wire.COMPRESSIONS
             return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
-                f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g})"
+                f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={_PROGRESS_MODES[row[7]]!r})"
         codes = planning.supported_dtypes()
         dtype, fid, skip, device_kind, ndim, *shape = row
         return (
@@ -373,11 +405,13 @@ class DistributedGradReducer:
         """Start a reduction whose buckets launch as their gradients become ready.
 
         Call ``step.ready(i)`` as soon as ``grads[i]`` is final (for example
-        layer by layer during backward); each bucket is reduced, on a
-        communication thread, as soon as all of its members are ready. Then
-        ``step.wait()`` finishes and returns ``grads``. Results are bitwise
-        identical to the blocking call. Do not write to a gradient after
-        declaring it ready, nor call the reducer again before ``wait()``.
+        layer by layer during backward); each bucket is launched as soon as
+        it and every bucket before it are ready, and reduced on a
+        communication thread (``progress="thread"``) or in ``wait()``
+        (``progress="deferred"``). Then ``step.wait()`` finishes and returns
+        ``grads``. Results are bitwise identical to the blocking call. Do not
+        write to a gradient after declaring it ready, nor call the reducer
+        again before ``wait()``.
 
         Args:
             grads: one array per parameter, matching the plan; validated now,
@@ -389,7 +423,7 @@ class DistributedGradReducer:
         self._start(grads)
         if self._control is None:
             self._control = self._comm.Dup()
-        if self._thread is None and MPI.Query_thread() >= MPI.THREAD_MULTIPLE:
+        if self._thread is None and self.progress == "thread":
             self._thread = CommThread()
         self._active = ReductionStep(
             grads, self._bucket_of, [len(f.bucket.indices) for f in self._fusion], self._launch, self._complete
@@ -447,7 +481,7 @@ class DistributedGradReducer:
 
     def _launch(self, step: ReductionStep, batch: list[int]) -> None:
         if self._thread is None:
-            self._run_batch(step, batch)
+            self._deferred.extend(batch)  # reduced by wait()
             return
         for device in {self._fusion[k].bucket.device for k in batch} - {"cpu"}:
             backend.ops_for(device).ready_for_mpi()  # the caller's kernels finish before the thread reads
@@ -472,6 +506,9 @@ class DistributedGradReducer:
         if counts.any():
             step.mark_all_ready()  # every rank still issues every collective: no one hangs
         try:
+            if self._deferred:
+                batch, self._deferred = self._deferred, []
+                self._run_batch(step, batch)
             step.join()
             if not counts.any():
                 self._reduce_sparse(step.grads)

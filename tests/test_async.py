@@ -26,9 +26,14 @@ def _grads(seed):
     return [rng.standard_normal(s).astype(np.float32) for s in SHAPES]
 
 
+PROGRESS = ["thread", "deferred"]
+
+
 @pytest.mark.mpi
-def test_async_and_readiness_match_the_blocking_call_bitwise():
-    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+@pytest.mark.parametrize("progress", PROGRESS)
+def test_async_and_readiness_match_the_blocking_call_bitwise(progress):
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10, progress=progress) as reducer:
+        assert reducer.progress == progress
         assert len(reducer.buckets) > 3
         for seed in range(3):
             expected = reducer(_grads(seed))
@@ -51,7 +56,7 @@ def test_async_and_readiness_match_the_blocking_call_bitwise():
 
 @pytest.mark.mpi
 def test_buckets_launch_before_wait_and_done_polls():
-    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10, progress="thread") as reducer:
         grads = [np.full(s, rank_value(WORLD, 2.0), np.float32) for s in SHAPES]
         step = reducer.begin(grads)
         for i in range(len(SHAPES)):
@@ -82,9 +87,10 @@ def test_readiness_errors():
 
 
 @pytest.mark.mpi
-def test_wait_before_ready_raises_on_every_rank_without_hanging():
+@pytest.mark.parametrize("progress", PROGRESS)
+def test_wait_before_ready_raises_on_every_rank_without_hanging(progress):
     last = WORLD.Get_size() - 1
-    with DistributedGradReducer(_params(), bucket_bytes=4 << 10) as reducer:
+    with DistributedGradReducer(_params(), bucket_bytes=4 << 10, progress=progress) as reducer:
         step = reducer.begin(_grads(1))
         for i in range(len(SHAPES)):
             if not (WORLD.Get_rank() == last and i in (2, 5)):
@@ -98,8 +104,9 @@ def test_wait_before_ready_raises_on_every_rank_without_hanging():
 @pytest.mark.mpi
 def test_free_stops_the_communication_thread():
     before = threading.active_count()
-    reducer = DistributedGradReducer(_params())
+    reducer = DistributedGradReducer(_params(), progress="thread")
     reducer.reduce_async(_grads(0)).wait()
+    assert threading.active_count() > before
     reducer.free()
     reducer.free()  # idempotent
     assert threading.active_count() <= before
@@ -111,7 +118,7 @@ def test_interpreter_exits_cleanly_with_a_live_reducer(tmp_path):
     script.write_text(
         "import numpy as np\n"
         "from mpi_gradreducer import DistributedGradReducer\n"
-        "r = DistributedGradReducer([np.zeros(10), np.zeros((300, 1024))], timeout=30)\n"
+        "r = DistributedGradReducer([np.zeros(10), np.zeros((300, 1024))], timeout=30, progress='thread')\n"
         "h = r.reduce_async([np.ones(10), np.ones((300, 1024))])\n"
         "h.wait()\n"
         "s = r.begin([np.ones(10), np.ones((300, 1024))])\n"
@@ -142,3 +149,14 @@ def test_reducer_timeline_is_valid_trace_json(tmp_path):
         assert {e["name"] for e in spans} >= {"allreduce", "pack", "unpack"}
         assert all(e["dur"] >= 0 and "bucket" in e["args"] for e in spans)
         assert {e["args"]["call"] for e in spans} == {1, 2}
+
+
+@pytest.mark.mpi
+def test_auto_progress_is_the_same_on_every_rank_and_bad_modes_are_named():
+    with DistributedGradReducer(_params()) as reducer:
+        mine = np.array([("thread", "deferred").index(reducer.progress)], dtype=np.int64)
+        everyone = np.zeros(WORLD.Get_size(), dtype=np.int64)
+        WORLD.Allgather(mine, everyone)
+        assert len(set(everyone.tolist())) == 1
+    with pytest.raises(ValueError, match=r"progress: expected one of \('auto', 'thread', 'deferred'\), got 'fast'"):
+        DistributedGradReducer(_params(), progress="fast")
