@@ -7,6 +7,7 @@ only when one is met, so the package works without it.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -127,6 +128,11 @@ class DeviceOps:
         with self._device:
             self._stream = cupy.cuda.Stream(non_blocking=True)
 
+    @property
+    def device(self) -> Any:
+        """The cupy ``Device``; ``with ops.device:`` makes it current on the calling thread."""
+        return self._device
+
     def pinned(self, count: int, dtype: np.dtype) -> np.ndarray:
         """A page-locked host buffer (fast, asynchronous DMA)."""
         return self._cupyx.empty_pinned((count,), dtype=dtype)
@@ -157,8 +163,16 @@ class DeviceOps:
 
 
 _BATCHED_COPY = r"""
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
 extern "C" __global__ void batched_copy(const unsigned long long* ptrs, const long long* offsets,
                                         const int n, const long long total, WIRE* buf,
                                         const double scale, const int unpack) {
@@ -171,13 +185,35 @@ extern "C" __global__ void batched_copy(const unsigned long long* ptrs, const lo
         }
         ITEM* p = (ITEM*)ptrs[lo];
         const long long j = e - offsets[lo];
-        if (unpack) p[j] = (ITEM)((COMPUTE)buf[e] * (COMPUTE)scale);
-        else buf[e] = (WIRE)((COMPUTE)p[j] * (COMPUTE)scale);
+        if (unpack) p[j] = TO_ITEM((COMPUTE)FROM_WIRE(buf[e]) * (COMPUTE)scale);
+        else buf[e] = TO_WIRE((COMPUTE)FROM_ITEM(p[j]) * (COMPUTE)scale);
     }
 }
 """
 
-_CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float", "float64": "double"}
+#: For each dtype: its CUDA storage type, and how a value is read from and
+#: written to it. float16 is stored as its bits and converted with PTX ``cvt``
+#: instructions, so that the kernel needs no CUDA header: NVRTC then compiles
+#: it whether or not the CUDA toolkit's headers (cuda_fp16.h, cuda_bf16.h) can
+#: be found, and whatever their version. cupy has no bfloat16 arrays.
+_CUDA_TYPES = {
+    "float16": ("unsigned short", "half_to_float(x)", "float_to_half((float)(x))"),
+    "float32": ("float", "(x)", "(float)(x)"),
+    "float64": ("double", "(x)", "(double)(x)"),
+}
+
+@functools.lru_cache(maxsize=None)  # a memo of compiled code, like cupy's own
+def _kernel(item: str, wire: str, compute: str) -> Any:
+    """The batched-copy kernel for ``item`` members and a ``wire`` buffer (compiled once)."""
+    import cupy
+
+    (item_t, item_get, item_put), (wire_t, wire_get, wire_put) = _CUDA_TYPES[item], _CUDA_TYPES[wire]
+    defines = (
+        f"#define ITEM {item_t}\n#define WIRE {wire_t}\n#define COMPUTE {compute}\n"
+        f"#define FROM_ITEM(x) {item_get}\n#define TO_ITEM(x) {item_put}\n"
+        f"#define FROM_WIRE(x) {wire_get}\n#define TO_WIRE(x) {wire_put}\n"
+    )
+    return cupy.RawKernel(defines + _BATCHED_COPY, "batched_copy")
 
 
 def batched_copy(members: Sequence[Any], buffer: Any, offsets: Sequence[int], scale: float, unpack: bool) -> int:
@@ -185,7 +221,9 @@ def batched_copy(members: Sequence[Any], buffer: Any, offsets: Sequence[int], sc
 
     One kernel launch for all members, from a table of their addresses and
     offsets (ChainerMN's ``batched_copy`` idea), scaling on the way. Complex
-    arrays are handled as pairs of their real components.
+    arrays are handled as pairs of their real components. The members must
+    lie back to back in the buffer (``offsets`` ascending, no gaps). The
+    kernel runs on the buffer's device, whichever device is current.
 
     Args:
         members: C-contiguous cupy arrays of one dtype.
@@ -205,17 +243,16 @@ def batched_copy(members: Sequence[Any], buffer: Any, offsets: Sequence[int], sc
         item = np.dtype(f"f{item.itemsize // 2}")
         wire = np.dtype(f"f{wire.itemsize // 2}")
     compute = "double" if "float64" in (item.name, wire.name) else "float"
-    code = _BATCHED_COPY.replace("WIRE", _CUDA_TYPES[wire.name]).replace("ITEM", _CUDA_TYPES[item.name])
-    kernel = cupy.RawKernel(code.replace("COMPUTE", compute), "batched_copy")  # cupy caches compilations
     sizes = [m.size * factor for m in members]
     table = np.array([m.data.ptr for m in members], dtype=np.uint64)
     starts = np.array([o * factor for o in offsets] + [offsets[-1] * factor + sizes[-1]], dtype=np.int64)
     total = int(starts[-1])
     threads = 256
     blocks = max(1, min((total + threads - 1) // threads, 65535))
-    kernel(
-        (blocks,), (threads,),
-        (cupy.asarray(table), cupy.asarray(starts), np.int32(len(members)), np.int64(total),
-         buffer, np.float64(scale), np.int32(int(unpack))),
-    )
+    with buffer.device:
+        _kernel(item.name, wire.name, compute)(
+            (blocks,), (threads,),
+            (cupy.asarray(table), cupy.asarray(starts), np.int32(len(members)), np.int64(total),
+             buffer, np.float64(scale), np.int32(int(unpack))),
+        )
     return 1

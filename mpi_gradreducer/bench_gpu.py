@@ -27,7 +27,7 @@ Methods:
     Per tensor: ``g.get()``, a host Allreduce, ``g.set()``, then ``g *= 1 / size``.
 ``reducer-staged``
     ``DistributedGradReducer(params, cuda_aware=False)`` on separately
-    allocated cupy arrays: pack kernels, the double-buffered pinned staging
+    allocated cupy arrays: pack kernels, the pipelined pinned staging
     pipeline, unpack kernels.
 ``reducer-staged-views``
     The same on the arrays of ``reducer.allocate_grads()`` (no packing).

@@ -106,16 +106,18 @@ class FusionBuffer:
 
     def _device_copy(self, members: Sequence[Any], scale: float, unpack: bool, skip: Sequence[bool]) -> None:
         """One batched kernel for contiguous device members, else one copy per member."""
-        kept = [k for k in range(len(members)) if not (skip and skip[k])]
-        if not kept:
+        skipped = [k for k in range(len(members)) if skip and skip[k]]
+        if not skipped and all(g.flags.c_contiguous for g in members):
+            # the kernel covers the buffer from its start to its end: only without gaps
+            self.launches += backend.batched_copy(members, self.buffer, self.bucket.offsets, scale, unpack)
             return
-        if all(members[k].flags.c_contiguous for k in kept):
-            self.launches += backend.batched_copy(
-                [members[k] for k in kept], self.buffer, [self.bucket.offsets[k] for k in kept], scale, unpack
-            )
-            return
-        for k in kept:
+        for k in range(len(members)):
             v, g = self.views[k], members[k]
+            if k in skipped:
+                if not unpack:
+                    v[...] = 0  # its slot still travels: zeros
+                    self.launches += 1
+                continue
             src, dst = (v, g) if unpack else (g, v)
             dst[...] = src if scale == 1.0 else src * scale
             self.launches += 1

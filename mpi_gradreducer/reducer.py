@@ -484,7 +484,7 @@ class DistributedGradReducer:
             self._deferred.extend(batch)  # reduced by wait()
             return
         for device in {self._fusion[k].bucket.device for k in batch} - {"cpu"}:
-            backend.ops_for(device).ready_for_mpi()  # the caller's kernels finish before the thread reads
+            self._device_state(device)[0].ready_for_mpi()  # the caller's kernels finish before the thread reads
         self._thread.submit(lambda: self._run_batch(step, batch, on_thread=True))
 
     def _run_batch(self, step: ReductionStep, batch: list[int], on_thread: bool = False) -> None:
@@ -600,6 +600,11 @@ class DistributedGradReducer:
         """Reduce buckets of device arrays: CUDA-aware MPI on device buffers, or staged."""
         device = self._fusion[ks[0]].bucket.device
         ops, pipeline = self._device_state(device)
+        with ops.device:  # kernels, copies and cupy temporaries on the buckets' device, on any thread
+            self._reduce_device_buckets(ks, grads, on_thread, ops, pipeline)
+
+    def _reduce_device_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool, ops: Any,
+                               pipeline: StagingPipeline) -> None:
         t0 = time.perf_counter()
         buffers, packed = [], []
         for k in ks:
@@ -742,7 +747,7 @@ def _mismatch(i: int, g: Any, spec: planning.ParamSpec) -> Optional[Exception]:
         return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
     if device != spec.device:
         return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
-    if not g.flags.writeable:
+    if not getattr(g.flags, "writeable", True):  # cupy arrays have no such flag, and are always writeable
         return ValueError(f"grads[{i}] is read-only, but results are written in place; pass a writeable array")
     return None
 

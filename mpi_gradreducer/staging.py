@@ -1,8 +1,11 @@
-"""Reduce device buffers through double-buffered host buffers, overlapping copies and MPI.
+"""Reduce device buffers through rotating pinned host buffers, overlapping copies and MPI.
 
 For an MPI library that cannot read device memory. While bucket k is summed
-by MPI in host slot k % 2, bucket k+1 is already being copied device-to-host
-into the other slot, and bucket k-1's result is on its way back to the device.
+by MPI in host slot k % 3, bucket k+1 is already being copied device-to-host
+into the next slot, and bucket k-1's result is on its way back to the device
+from the third: both copies overlap the Allreduce. (With two slots, bucket
+k+1's download would have to wait for bucket k-1's upload to finish, and the
+host would wait for every upload before the next Allreduce.)
 The copies themselves are the backend's (:class:`backend.DeviceOps` on a GPU,
 :class:`backend.HostOps` on the CPU, where the same schedule runs in tests).
 """
@@ -13,11 +16,14 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["StagingPipeline"]
+__all__ = ["SLOTS", "StagingPipeline"]
+
+#: Host slots: one summed by MPI, one being filled, one being emptied.
+SLOTS = 3
 
 
 class StagingPipeline:
-    """Two reusable host slots and the schedule that moves buckets through them.
+    """Reusable host slots (:data:`SLOTS`) and the schedule that moves buckets through them.
 
     Args:
         ops: the backend's copy operations (``pinned``, ``to_host``,
@@ -33,7 +39,7 @@ class StagingPipeline:
 
     def _slot(self, which: int, count: int, dtype: np.dtype) -> np.ndarray:
         slots = self._slots.setdefault(np.dtype(dtype), [])
-        while len(slots) < 2:
+        while len(slots) < SLOTS:
             slots.append(self._ops.pinned(0, dtype))
         if slots[which].size < count:  # grows to the largest bucket, once
             slots[which] = self._ops.pinned(count, dtype)
@@ -53,19 +59,22 @@ class StagingPipeline:
         down: list[Any] = [None] * n  # device-to-host events
         up: list[Any] = [None] * n  # host-to-device events
         down[0] = self._to_host(0, buffers[0], self._slot(0, buffers[0].size, buffers[0].dtype))
+        waited = 0  # uploads up[:waited] are known to be done
         for k in range(n):
-            host = self._slot(k % 2, buffers[k].size, buffers[k].dtype)
+            host = self._slot(k % SLOTS, buffers[k].size, buffers[k].dtype)
             if k + 1 < n:
-                if k >= 1:  # slot (k+1) % 2 was bucket k-1's: its upload must be done
-                    self._wait("wait-up", k - 1, up[k - 1])
-                nxt = self._slot((k + 1) % 2, buffers[k + 1].size, buffers[k + 1].dtype)
+                previous = k + 1 - SLOTS  # the last bucket in slot (k+1) % SLOTS: its upload must be done
+                if previous >= 0:
+                    self._wait("wait-up", previous, up[previous])
+                    waited = previous + 1
+                nxt = self._slot((k + 1) % SLOTS, buffers[k + 1].size, buffers[k + 1].dtype)
                 down[k + 1] = self._to_host(k + 1, buffers[k + 1], nxt)
             self._wait("wait-down", k, down[k])
             self._emit("allreduce", k)
             reduce_host(k, host)
             self._emit("to-device", k)
             up[k] = self._ops.to_device(host, buffers[k])
-        for k in range(max(0, n - 2), n):
+        for k in range(waited, n):
             self._wait("wait-up", k, up[k])
 
     def _to_host(self, k: int, buf: Any, host: np.ndarray) -> Any:
