@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CHUNK_BYTES", "CUDA_AWARE_ENV", "allreduce", "cuda_support"]
+__all__ = ["CHUNK_BYTES", "CUDA_AWARE_ENV", "SPLIT_MEAN_BYTES", "allreduce", "cuda_support"]
 
 #: Environment variable that overrides the detected CUDA-awareness ("0" or "1").
 CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
@@ -18,6 +18,9 @@ CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
 #: still in cache when it is scaled or unpacked.
 CHUNK_BYTES = 4 << 20
+#: From this chunk size up, a mean is formed by reduce-scatter and allgather
+#: (each rank scales only its own block); below it one Allreduce has less latency.
+SPLIT_MEAN_BYTES = 256 << 10
 
 
 def allreduce(
@@ -30,34 +33,65 @@ def allreduce(
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
-    Each chunk is multiplied by ``scale`` right after its Allreduce, while it
-    is still in cache, so that a mean costs no extra pass over memory.
+    A mean (``scale`` != 1) of a large host chunk is formed as
+    ``Reduce_scatter_block``, scaling of this rank's block (just summed, still
+    in cache), ``Allgather``: each rank multiplies 1/size of the data instead
+    of all of it, so the mean costs almost nothing over the sum. Other chunks
+    take one ``Allreduce`` and are scaled right after it, while in cache.
+    Either way the result is bitwise identical on every rank.
 
     Args:
         comm: the communicator.
-        buf: 1-D C-contiguous host array.
+        buf: 1-D C-contiguous array (host, or device for a CUDA-aware MPI).
         scale: factor applied to the result (1.0: none).
-        chunk_bytes: bytes per Allreduce.
+        chunk_bytes: bytes per collective.
         op: the MPI reduction.
         after: called with each reduced (and scaled) chunk.
 
     Returns:
-        The number of ``Allreduce`` calls made.
+        The number of collective calls made.
     """
     n = buf.shape[0]
     step = max(1, chunk_bytes // max(1, buf.itemsize))
+    split = scale != 1.0 and op == MPI.SUM and isinstance(buf, np.ndarray) and comm.Get_size() > 1
     calls = 0
     for start in range(0, n, step):
-        calls += 1
         chunk = buf[start : start + step]
-        comm.Allreduce(MPI.IN_PLACE, chunk, op=op)
-        if scale != 1.0:
-            # Complex values are scaled component-wise: (inf+0j) * s stays (inf+0j).
-            real = chunk.view(chunk.real.dtype) if chunk.dtype.kind == "c" else chunk
-            np.multiply(real, scale, out=real)
+        if split and chunk.nbytes >= SPLIT_MEAN_BYTES:
+            calls += _scattered_mean(comm, chunk, scale)
+        else:
+            calls += 1
+            comm.Allreduce(MPI.IN_PLACE, chunk, op=op)
+            if scale != 1.0:
+                _scale(chunk, scale)
         if after is not None:
             after(chunk)
     return calls
+
+
+def _scattered_mean(comm: MPI.Comm, chunk: np.ndarray, scale: float) -> int:
+    """``chunk = sum over ranks * scale`` by reduce-scatter, scaling one block, allgather."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    block = chunk.shape[0] // size
+    body = chunk[: block * size]
+    comm.Reduce_scatter_block(MPI.IN_PLACE, body, op=MPI.SUM)  # this rank's block sums into body[:block]
+    mine = body[rank * block : (rank + 1) * block]
+    _scale(body[:block], scale, out=mine)  # disjoint for rank > 0, the same block for rank 0
+    comm.Allgather(MPI.IN_PLACE, body)
+    rest = chunk[block * size :]
+    if rest.shape[0]:
+        comm.Allreduce(MPI.IN_PLACE, rest, op=MPI.SUM)
+        _scale(rest, scale)
+        return 3
+    return 2
+
+
+def _scale(a: Any, scale: float, out: Any = None) -> None:
+    """``out = a * scale`` (in place by default); complex values component-wise: (inf+0j) stays (inf+0j)."""
+    out = a if out is None else out
+    if a.dtype.kind == "c":
+        a, out = a.view(a.real.dtype), out.view(out.real.dtype)
+    np.multiply(a, scale, out=out)
 
 
 def cuda_support() -> tuple[Optional[bool], str]:
