@@ -783,21 +783,23 @@ def _aliasing_error(
     by construction and are looked at only when another gradient is a view
     of the same buffer.
     """
-    owners: dict[int, list[int]] = {}
+    seen: set[int] = set()
     shared = False
     for i in indices:
         g = grads[i]
         if g is own[i]:
             continue
-        key = id(_owner(g))
-        if key in owners or key in buffers:
+        base = getattr(g, "base", None)
+        key = id(g) if base is None else id(_owner(base))  # most gradients own their memory
+        if key in seen or key in buffers:
             shared = True
-        owners.setdefault(key, []).append(i)
+            break
+        seen.add(key)
     if not shared:
         return None
+    owners: dict[int, list[int]] = {}
     for i in indices:
-        if grads[i] is own[i]:
-            owners.setdefault(id(_owner(grads[i])), []).append(i)
+        owners.setdefault(id(_owner(grads[i])), []).append(i)
     for members in owners.values():
         if len(members) > 1:
             error = _overlap_error(grads, members)
