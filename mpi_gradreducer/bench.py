@@ -1035,6 +1035,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def start(parser: argparse.ArgumentParser, argv: Sequence[str], comm: Optional[MPI.Intracomm]
+          ) -> Tuple[argparse.Namespace, MPI.Intracomm, Callable[[str], None]]:
+    """Parse and check the options every benchmark shares (``--scale``, ``--reps``, ``--warmup``,
+    ``--small-count``, ``--small-size``).
+
+    Returns:
+        The options, the run's own duplicate of ``comm`` (default ``MPI.COMM_WORLD``; free
+        it when done) and a ``say`` that prints on rank 0 only.
+    """
+    args = parser.parse_args(argv)
+    if not 0.0 < args.scale <= 1.0:
+        raise SystemExit(f"--scale: expected a number in (0, 1], got {args.scale}")
+    if args.reps < 1 or args.warmup < 0:
+        raise SystemExit(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
+    if args.small_count < 1 or args.small_size < 1:
+        raise SystemExit(f"--small-count and --small-size must be >= 1, got {args.small_count} and {args.small_size}")
+    comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+    rank = comm.Get_rank()
+
+    def say(text: str) -> None:
+        if rank == 0:
+            print(text, flush=True)
+
+    return args, comm, say
+
+
 def main(argv: Optional[Sequence[str]] = None, comm: Optional[MPI.Intracomm] = None) -> Dict[str, Any]:
     """Run the benchmark; rank 0 prints the tables and writes the files.
 
@@ -1046,18 +1072,8 @@ def main(argv: Optional[Sequence[str]] = None, comm: Optional[MPI.Intracomm] = N
         All results (what ``--json`` writes); the timings are the same on every rank.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    if not 0.0 < args.scale <= 1.0:
-        raise SystemExit(f"--scale: expected a number in (0, 1], got {args.scale}")
-    if args.reps < 1 or args.warmup < 0:
-        raise SystemExit(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
-    comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+    args, comm, say = start(_parser(), argv, comm)
     rank = comm.Get_rank()
-
-    def say(text: str) -> None:
-        if rank == 0:
-            print(text, flush=True)
-
     try:
         missing = args.plot and rank == 0 and importlib.util.find_spec("matplotlib") is None
         if comm.bcast(bool(missing), root=0):

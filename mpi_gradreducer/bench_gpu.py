@@ -67,7 +67,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__, reducer as reducer_module, transport
-from .bench import Case, Workload, _summary, bert_base, many_small, resnet50, time_cases
+from .bench import Case, Workload, _summary, bert_base, many_small, resnet50, start, time_cases
 from .groups import select_device
 from .reducer import DistributedGradReducer
 
@@ -539,19 +539,8 @@ def main(argv: Optional[Sequence[str]] = None, comm: Optional[MPI.Intracomm] = N
         only the key ``skipped`` (and the reason) when some rank has no GPU.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
-    if not 0.0 < args.scale <= 1.0:
-        raise SystemExit(f"--scale: expected a number in (0, 1], got {args.scale}")
-    if args.reps < 1 or args.warmup < 0:
-        raise SystemExit(f"--reps must be >= 1 and --warmup >= 0, got {args.reps} and {args.warmup}")
-    if args.small_count < 1 or args.small_size < 1:
-        raise SystemExit(f"--small-count and --small-size must be >= 1, got {args.small_count} and {args.small_size}")
-    comm = (MPI.COMM_WORLD if comm is None else comm).Dup()
+    args, comm, say = start(_parser(), argv, comm)
     rank = comm.Get_rank()
-
-    def say(text: str) -> None:
-        if rank == 0:
-            print(text, flush=True)
 
     def write(results: Dict[str, Any]) -> None:
         if rank == 0 and args.json:
