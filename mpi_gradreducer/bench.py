@@ -136,6 +136,17 @@ class Workload:
         """Total bytes of the gradients."""
         return int(sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(self.shapes, self.dtypes)))
 
+    def facts(self, ranks: int) -> Dict[str, Any]:
+        """What a results file records about the workload, run over ``ranks`` ranks."""
+        return {
+            "tensors": self.count,
+            "parameters": self.elements,
+            "bytes": self.nbytes,
+            "dtypes": sorted({d.name for d in self.dtypes}),
+            "ranks": ranks,
+            "note": self.note,
+        }
+
     def arrays(self) -> List[np.ndarray]:
         """One separately allocated, zero-filled array per tensor."""
         return [np.zeros(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
@@ -536,12 +547,7 @@ def _bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], g
             r.free()
     results = {name: _summary(t, wl.nbytes, size) for name, t in times.items() if name != _TINY}
     out: Dict[str, Any] = {
-        "tensors": wl.count,
-        "parameters": wl.elements,
-        "bytes": wl.nbytes,
-        "dtypes": sorted({d.name for d in wl.dtypes}),
-        "ranks": size,
-        "note": wl.note,
+        **wl.facts(size),
         "messages": buckets,
         "reducer_stats": stats,
     }

@@ -362,12 +362,7 @@ def _bench_workload(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -
 
     results = {name: _summary(t, wl.nbytes, size) for name, t in times.items()}
     out: Dict[str, Any] = {
-        "tensors": wl.count,
-        "parameters": wl.elements,
-        "bytes": wl.nbytes,
-        "dtypes": sorted({d.name for d in wl.dtypes}),
-        "ranks": size,
-        "note": wl.note,
+        **wl.facts(size),
         "cuda_aware": aware,
         "cuda_aware_note": aware_note,
         "messages": messages,
