@@ -31,10 +31,6 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         WORLD.Abort(1)
 
 
-def _sub_even_odd() -> MPI.Intracomm:
-    return WORLD.Split(WORLD.Get_rank() % 2, WORLD.Get_rank())
-
-
 @pytest.fixture(params=["world", "self", "dup"])
 def comm(request: pytest.FixtureRequest):
     """The same test body over several communicators (mpi4py's habit)."""
