@@ -54,6 +54,7 @@ class ReducerStats:
         pack_seconds: time spent copying gradients into fusion buffers.
         allreduce_seconds: time spent in MPI (including in-place scaling).
         unpack_seconds: time spent copying results back (including scaling).
+        launches: kernel launches made by device packs and unpacks.
     """
 
     calls: int = 0
@@ -62,6 +63,7 @@ class ReducerStats:
     pack_seconds: float = 0.0
     allreduce_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    launches: int = 0
 
 
 class DistributedGradReducer:
@@ -626,6 +628,7 @@ class DistributedGradReducer:
         t2 = time.perf_counter()
         for f, members in packed:
             f.unpack(members)
+        self.stats.launches += sum(f.launches for f in self._fusion) - self.stats.launches
         if on_thread:
             ops.ready_for_mpi()  # results complete before wait() returns
         t3 = time.perf_counter()
