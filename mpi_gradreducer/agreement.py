@@ -5,7 +5,7 @@ All traffic is buffer-based (no pickling of data from other ranks).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -17,7 +17,7 @@ _KINDS = (ValueError, TypeError, RuntimeError)
 
 
 def raise_if_any(
-    comm: MPI.Comm, error: Optional[BaseException], checks: Sequence[int] = ()
+    comm: MPI.Comm, error: BaseException | None, checks: Sequence[int] = ()
 ) -> None:
     """Raise on every rank if any rank has an error, or if ``checks`` differ.
 

@@ -27,12 +27,14 @@ ops per process, so free the ones you no longer need).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import transport
+from .dtypes import scaled_copy
 
 __all__ = [
     "COMPRESSIONS",
@@ -40,7 +42,6 @@ __all__ = [
     "compressed_allreduce",
     "get_compression",
     "pack",
-    "reduce_array",
     "unpack",
 ]
 
@@ -63,7 +64,7 @@ class Compression:
 
     name: str
     wire_dtype: np.dtype
-    _op: Optional[MPI.Op] = field(default=None, init=False, repr=False, compare=False)
+    _op: MPI.Op | None = field(default=None, init=False, repr=False, compare=False)
 
     def applies_to(self, dtype: Any) -> bool:
         """Whether gradients of ``dtype`` are compressed (float32 and float64 only).
@@ -92,7 +93,7 @@ class Compression:
         return float(size) if self.name == "fp16" else 1.0
 
     def scales(
-        self, size: int, degree: int = 1, mean: bool = False, predivide: Optional[float] = None
+        self, size: int, degree: int = 1, mean: bool = False, predivide: float | None = None
     ) -> tuple[float, float]:
         """Factors for :func:`pack` and :func:`unpack` (Horovod's pre/post-scaling).
 
@@ -157,7 +158,7 @@ class Compression:
             np.add(a, b, out=b, dtype=np.float32, casting="unsafe")
 
 
-def get_compression(name: Optional[str]) -> Optional[Compression]:
+def get_compression(name: str | None) -> Compression | None:
     """The compression called ``name``, a new instance on each call.
 
     Args:
@@ -200,12 +201,7 @@ def pack(src: Any, wire_view: Any, prescale: float = 1.0) -> None:
             with ``src.size`` elements.
         prescale: the factor (1.0: a plain cast).
     """
-    out = wire_view if wire_view.shape == src.shape else wire_view.reshape(src.shape)
-    with np.errstate(over="ignore"):
-        if prescale == 1.0:
-            np.copyto(out, src, casting="unsafe")
-        else:
-            np.multiply(src, src.dtype.type(prescale), out=out, dtype=src.dtype, casting="unsafe")
+    scaled_copy(src, wire_view, prescale, src.dtype)
 
 
 def unpack(wire_view: Any, dst: Any, postscale: float = 1.0) -> None:
@@ -216,11 +212,7 @@ def unpack(wire_view: Any, dst: Any, postscale: float = 1.0) -> None:
         dst: the float32 or float64 gradient to overwrite (any layout).
         postscale: the factor (1.0: a plain cast).
     """
-    src = wire_view if wire_view.shape == dst.shape else wire_view.reshape(dst.shape)
-    if postscale == 1.0:
-        np.copyto(dst, src, casting="unsafe")
-    else:
-        np.multiply(src, dst.dtype.type(postscale), out=dst, dtype=dst.dtype, casting="unsafe")
+    scaled_copy(wire_view.reshape(dst.shape), dst, postscale, dst.dtype)
 
 
 def compressed_allreduce(
@@ -230,8 +222,8 @@ def compressed_allreduce(
     chunk_bytes: int = transport.CHUNK_BYTES,
     *,
     method: str = "alltoall",
-    after: Optional[Callable[[Any], None]] = None,
-) -> None:
+    after: Callable[[Any], None] | None = None,
+) -> int:
     """Sum a 1-D wire buffer over ``comm`` in place, chunk by chunk.
 
     Collective: every rank passes a buffer of the same length, the same
@@ -254,6 +246,9 @@ def compressed_allreduce(
         after: called with each reduced chunk (a wire-dtype view), e.g. to
             unpack it while it is still in cache.
 
+    Returns:
+        The number of collective calls made.
+
     Raises:
         TypeError: ``wire_buf`` does not have the wire dtype.
         ValueError: ``wire_buf`` is not 1-D and contiguous, or an unknown
@@ -267,61 +262,13 @@ def compressed_allreduce(
     if wire_buf.ndim != 1 or not wire_buf.flags.c_contiguous:
         raise ValueError(f"wire_buf: expected a 1-D contiguous array, got shape {wire_buf.shape}")
     reduce = _ChunkReducer(comm, compression, chunk_bytes, method)
+    calls = 0
     for start in range(0, wire_buf.shape[0], reduce.step):
         chunk = wire_buf[start : start + reduce.step]
-        reduce(chunk)
+        calls += reduce(chunk)
         if after is not None:
             after(chunk)
-
-
-def reduce_array(
-    comm: MPI.Comm,
-    array: Any,
-    compression: Compression,
-    prescale: float = 1.0,
-    postscale: float = 1.0,
-    chunk_bytes: int = transport.CHUNK_BYTES,
-    *,
-    method: str = "alltoall",
-    after: Optional[Callable[[Any], None]] = None,
-) -> None:
-    """Reduce one float32/float64 array in place through a one-chunk wire buffer.
-
-    Chunk by chunk: :func:`pack` with ``prescale``, sum across ranks as
-    :func:`compressed_allreduce` does, :func:`unpack` with ``postscale``.
-    The chunk stays in cache from the pack to the unpack, and the only extra
-    memory is one chunk of wire buffer: the path for large gradients.
-
-    Args:
-        comm: the communicator (collective, as :func:`compressed_allreduce`).
-        array: a writeable, C-contiguous float32 or float64 array.
-        compression: the wire format.
-        prescale: factor applied before the cast to the wire format.
-        postscale: factor applied after the cast back.
-        chunk_bytes: wire bytes per collective.
-        method: as in :func:`compressed_allreduce`.
-        after: called with each finished part of ``array`` (a 1-D view of
-            its dtype, unpacked and post-scaled), e.g. to test it for NaN.
-
-    Raises:
-        TypeError: ``array``'s dtype is not compressible.
-        ValueError: ``array`` is not C-contiguous, or an unknown ``method``.
-    """
-    if not compression.applies_to(array.dtype):
-        raise TypeError(f"array: expected a float32 or float64 array, got dtype {array.dtype}")
-    if not array.flags.c_contiguous:
-        raise ValueError("array: expected a C-contiguous array")
-    flat = array.reshape(-1)
-    reduce = _ChunkReducer(comm, compression, chunk_bytes, method)
-    wire = np.empty(min(reduce.step, flat.shape[0]), dtype=compression.wire_dtype)
-    for start in range(0, flat.shape[0], reduce.step):
-        part = flat[start : start + reduce.step]
-        w = wire[: part.shape[0]]
-        pack(part, w, prescale)
-        reduce(w)
-        unpack(w, part, postscale)
-        if after is not None:
-            after(part)
+    return calls
 
 
 _METHODS = ("alltoall", "allreduce")
@@ -345,13 +292,14 @@ class _ChunkReducer:
         self._acc: Any = None
         self._layout: tuple[int, list[int], list[int], int] = (-1, [], [], 0)
 
-    def __call__(self, chunk: Any) -> None:
+    def __call__(self, chunk: Any) -> int:
+        """Sum ``chunk`` across ranks in place; returns the number of collectives."""
         if self.size == 1 or chunk.shape[0] == 0:
-            return
+            return 0
         if self.method == "allreduce":
             self.comm.Allreduce(MPI.IN_PLACE, [chunk.view(np.uint16), self.compression.mpi_datatype()],
                                 op=self.compression.op())
-            return
+            return 1
         n, counts, displs, mine = self._split(chunk.shape[0])
         size = self.size
         if self._recv is None or self._recv.shape[0] < size * mine:
@@ -374,6 +322,7 @@ class _ChunkReducer:
         with np.errstate(over="ignore"):
             np.copyto(seg, acc, casting="unsafe")
         self.comm.Allgatherv(MPI.IN_PLACE, [bits, (counts, displs), u16])
+        return 2
 
     def _split(self, n: int) -> tuple[int, list[int], list[int], int]:
         """Slice k of an ``n``-element chunk is summed by rank k."""

@@ -1,15 +1,19 @@
-"""A bucket's fusion buffer and the copies in and out of it."""
+"""The plan's fusion buffers: each bucket's buffer, its views, the copies in and out of it."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from . import backend
-from .planning import Bucket
+from .compression import get_compression
+from .config import DIRECT_BYTES, FIRST_BUCKET_BYTES, Options
+from .dtypes import largest_finite, reduction_dtype, scaled_copy
+from .planning import Bucket, ParamSpec, make_plan
 
-__all__ = ["FusionBuffer", "join_runs", "largest_finite"]
+__all__ = ["FusionBuffer", "FusionPlan", "distinct_caps", "join_runs", "owner", "plan_for"]
 
 
 class FusionBuffer:
@@ -33,8 +37,6 @@ class FusionBuffer:
         self._host = backend.is_host(bucket.device)
         self.buffer: Any = None
         self.views: list[Any] = []
-        #: Kernel launches made by device packs and unpacks (for benchmarks).
-        self.launches = 0
 
     def allocate(self, buffer: Any = None) -> Any:
         """The buffer: allocated on the first call, or ``buffer`` (a 1-D slice of a larger block)."""
@@ -46,7 +48,7 @@ class FusionBuffer:
             ]
         return self.buffer
 
-    def in_place(self, members: Sequence[Any]) -> Optional[Any]:
+    def in_place(self, members: Sequence[Any]) -> Any | None:
         """A 1-D view over all members where they lie, or None when they must be packed.
 
         That is the case for the reducer's own views (``allocate_grads``), for a
@@ -61,69 +63,59 @@ class FusionBuffer:
             return backend.flat_view(members[0])
         return _adjacent_run(members, self.bucket)
 
-    def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> None:
-        """Copy (and cast, and scale) the members into the buffer; skipped slots get zeros."""
+    def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> int:
+        """Copy (and cast, and scale) the members into the buffer; skipped slots get zeros.
+
+        Returns:
+            The number of device kernel launches made (0 on the host).
+        """
         self.allocate()
         if not self._host:
-            self._device_copy(members, scale, False, skip)
-            return
+            return self._device_copy(members, scale, False, skip)
         if self.native and scale == 1.0 and not skip:
             np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
-            return
-        with np.errstate(over="ignore"):  # beyond a 16-bit wire format's range: inf, as in IEEE
-            self._pack(members, scale, skip)
-
-    def _pack(self, members: Sequence[Any], scale: float, skip: Sequence[bool]) -> None:
-        for k, (v, g) in enumerate(zip(self.views, members)):
-            if skip and skip[k]:
-                v[...] = 0  # its slot still travels: zeros, never stale values or NaN
-                continue
-            if scale == 1.0:
-                np.copyto(v, g, casting="unsafe")
-            else:
-                np.multiply(g, scale, out=v, dtype=self._compute_dtype, casting="unsafe")
-
-    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> None:
-        """Copy (and cast, and scale) the reduced buffer back into the members."""
-        if not self._host:
-            self._device_copy(members, scale, True, skip)
-            return
-        if not self.native:
-            with np.errstate(over="ignore"):  # a sum beyond float16's range becomes inf, as in IEEE
-                self._unpack(members, scale, skip)
         else:
-            self._unpack(members, scale, skip)
+            for k, (v, g) in enumerate(zip(self.views, members)):
+                if skip and skip[k]:
+                    v[...] = 0  # its slot still travels: zeros, never stale values or NaN
+                else:
+                    scaled_copy(g, v, scale, self._compute_dtype)
+        return 0
 
-    def _unpack(self, members: Sequence[Any], scale: float, skip: Sequence[bool]) -> None:
+    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> int:
+        """Copy (and cast, and scale) the reduced buffer back into the members.
+
+        Returns:
+            The number of device kernel launches made (0 on the host).
+        """
+        if not self._host:
+            return self._device_copy(members, scale, True, skip)
         for k, (v, g) in enumerate(zip(self.views, members)):
-            if skip and skip[k]:
-                continue
-            if scale == 1.0:
-                np.copyto(g, v, casting="unsafe")
-            else:
-                np.multiply(v, scale, out=g, dtype=self._compute_dtype, casting="unsafe")
+            if not (skip and skip[k]):
+                scaled_copy(v, g, scale, self._compute_dtype)
+        return 0
 
-
-    def _device_copy(self, members: Sequence[Any], scale: float, unpack: bool, skip: Sequence[bool]) -> None:
-        """One batched kernel for contiguous device members, else one copy per member."""
+    def _device_copy(self, members: Sequence[Any], scale: float, unpack: bool, skip: Sequence[bool]) -> int:
+        """One batched kernel for contiguous device members, else one copy per member; returns launches."""
         skipped = [k for k in range(len(members)) if skip and skip[k]]
         if not skipped and all(g.flags.c_contiguous for g in members):
             # the kernel covers the buffer from its start to its end: only without gaps
-            self.launches += backend.batched_copy(members, self.buffer, self.bucket.offsets, scale, unpack)
-            return
+            return backend.batched_copy(members, self.buffer, self.bucket.offsets, scale, unpack)
+        launches = 0
         for k in range(len(members)):
             v, g = self.views[k], members[k]
             if k in skipped:
                 if not unpack:
                     v[...] = 0  # its slot still travels: zeros
-                    self.launches += 1
+                    launches += 1
                 continue
             src, dst = (v, g) if unpack else (g, v)
-            dst[...] = src if scale == 1.0 else src * scale
-            self.launches += 1
+            scaled_copy(src, dst, scale, self._compute_dtype)
+            launches += 1
+        return launches
 
 
-def join_runs(a: Any, b: Any) -> Optional[Any]:
+def join_runs(a: Any, b: Any) -> Any | None:
     """One 1-D view covering host runs ``a`` and ``b`` when ``b`` starts where ``a`` ends, else None.
 
     Both must be views of one C-contiguous base array of their dtype (as the
@@ -142,16 +134,7 @@ def join_runs(a: Any, b: Any) -> Optional[Any]:
     return base.reshape(-1)[first : first + a.size + b.size]
 
 
-def largest_finite(dtype: np.dtype) -> float:
-    """Largest finite magnitude of a float (or complex) dtype, bfloat16 included."""
-    if dtype.name == "bfloat16":
-        import ml_dtypes
-
-        return float(ml_dtypes.finfo(dtype).max)
-    return float(np.finfo(dtype).max)
-
-
-def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Optional[Any]:
+def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Any | None:
     """A view of the members' common base when they lie back to back in bucket order."""
     base = members[0].base
     if not isinstance(base, np.ndarray) or not base.flags.c_contiguous or not base.flags.writeable:
@@ -168,3 +151,90 @@ def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Optional[Any]:
             return None
     first = (start - base.__array_interface__["data"][0]) // itemsize
     return base.reshape(-1)[first : first + bucket.count]
+
+
+class FusionPlan:
+    """The buckets of a plan with their fusion buffers, and where each parameter travels.
+
+    Args:
+        specs: every parameter.
+        buckets: the plan (from :func:`plan_for`).
+        checked: the parameters whose gradients are looked at (not skipped).
+    """
+
+    def __init__(self, specs: Sequence[ParamSpec], buckets: Sequence[Bucket], checked: Sequence[int]) -> None:
+        self.specs = tuple(specs)
+        self.buffers = [FusionBuffer(b, [specs[i].shape for i in b.indices]) for b in buckets]
+        #: For each parameter, its bucket, or -1.
+        self.bucket_of = [-1] * len(specs)
+        for k, b in enumerate(buckets):
+            for i in b.indices:
+                self.bucket_of[i] = k
+        #: Parameters in some bucket, in plan order.
+        self.bucketed = tuple(i for b in buckets for i in b.indices)
+        self.checked = tuple(checked)
+        #: The views handed out by :meth:`allocate_grads` (None where none was).
+        self.own_views: list[Any] = [None] * len(specs)
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets, in the order they are sent."""
+        return tuple(f.bucket for f in self.buffers)
+
+    def buffer_owners(self) -> set[int]:
+        """``id`` of the memory owner of every allocated fusion buffer."""
+        return {id(owner(f.buffer)) for f in self.buffers if f.buffer is not None}
+
+    def allocate_grads(self) -> list[Any]:
+        """Zero-filled gradients; those of native buckets are views into one block per (device, dtype)."""
+        grads: list[Any] = [None] * len(self.specs)
+        groups: dict[tuple[str, str], list[FusionBuffer]] = {}
+        for f in self.buffers:
+            if f.native:
+                groups.setdefault((f.bucket.device, f.bucket.dtype.str), []).append(f)
+        for (device, _), members in groups.items():
+            block = backend.empty(sum(f.bucket.count for f in members), members[0].bucket.dtype, device)
+            block[...] = 0
+            offset = 0
+            for f in members:
+                f.allocate(block[offset : offset + f.bucket.count])
+                offset += f.bucket.count
+                for i, v in zip(f.bucket.indices, f.views):
+                    grads[i] = self.own_views[i] = v
+        for i, spec in enumerate(self.specs):
+            if grads[i] is None:
+                grads[i] = backend.empty(spec.size, spec.dtype, spec.device).reshape(spec.shape)
+                grads[i][...] = 0
+        return grads
+
+
+def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int) -> FusionPlan:
+    """The reducer's plan: backward order, a small first bucket, large gradients alone."""
+    comp = get_compression(options.compression)
+    wire_dtype = reduction_dtype
+    if comp is not None:
+        wire_dtype = lambda d: comp.wire_dtype if comp.applies_to(d) else reduction_dtype(d)  # noqa: E731
+    buckets = make_plan(
+        specs, options.ids, bucket_bytes, DIRECT_BYTES, reverse=True,
+        first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=options.skip, wire_dtype=wire_dtype,
+    )
+    return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip])
+
+
+def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int]) -> list[int]:
+    """The caps among ``caps`` that give different plans (the smallest of each kind)."""
+    seen, kept = set(), []
+    for cap in caps:
+        shape = tuple(b.indices for b in plan_for(specs, options, cap).buckets)
+        if shape not in seen:
+            seen.add(shape)
+            kept.append(cap)
+    return kept
+
+
+def owner(a: Any) -> Any:
+    """The object that owns ``a``'s memory (the end of its chain of bases)."""
+    base = getattr(a, "base", None)
+    while base is not None:
+        a, base = base, getattr(base, "base", None)
+    return a

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend
+from .dtypes import digest
 
 __all__ = ["create_group", "broadcast_parameters", "local_rank", "processor_names", "select_device"]
 
@@ -15,7 +17,7 @@ __all__ = ["create_group", "broadcast_parameters", "local_rank", "processor_name
 _NAME_BYTES = 256
 
 
-def create_group(ranks: Sequence[int], comm: Optional[MPI.Intracomm] = None) -> Optional[MPI.Intracomm]:
+def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI.Intracomm | None:
     """A communicator of the given ranks of ``comm`` (collective over ``comm``).
 
     Every rank of ``comm`` calls it with the same ``ranks``; the listed ranks
@@ -46,14 +48,13 @@ def create_group(ranks: Sequence[int], comm: Optional[MPI.Intracomm] = None) -> 
         if len(set(members)) != len(members) or not all(0 <= r < size for r in members):
             raise ValueError(f"ranks: expected distinct ranks in [0, {size - 1}], got {members}")
     except (TypeError, ValueError) as exc:
-        error = exc if isinstance(exc, (TypeError, ValueError)) else ValueError(str(exc))
-    digest = _digest(members)
-    agreement.raise_if_any(comm, error, checks=(digest,))
+        error = exc
+    agreement.raise_if_any(comm, error, checks=(digest(members),))
     new = comm.Create(comm.Get_group().Incl(members))
     return None if new == MPI.COMM_NULL else new
 
 
-def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: Optional[MPI.Intracomm] = None) -> Sequence[Any]:
+def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intracomm | None = None) -> Sequence[Any]:
     """Copy rank ``root``'s arrays into every rank's arrays, in place (collective).
 
     Args:
@@ -79,7 +80,7 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: Optional[M
                 raise TypeError(f"arrays[{i}]: expected an array, got {type(a).__name__}")
             if not a.flags.writeable:
                 raise ValueError(f"arrays[{i}] is read-only, but it is written in place")
-            rows.append((_digest([a.dtype.str]), a.ndim, *a.shape))
+            rows.append((digest([a.dtype.str]), a.ndim, *a.shape))
     except (TypeError, ValueError) as exc:
         error = exc
     agreement.raise_if_any(comm, error, checks=(int(root),))
@@ -95,15 +96,7 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: Optional[M
     return arrays
 
 
-def _digest(values: Sequence[Any]) -> int:
-    """A deterministic 62-bit digest of ints/strings (same on every rank)."""
-    import zlib
-
-    text = repr(list(values)).encode()
-    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)
-
-
-def local_rank(comm: Optional[MPI.Intracomm] = None) -> tuple[int, int]:
+def local_rank(comm: MPI.Intracomm | None = None) -> tuple[int, int]:
     """This rank's index among the ranks of ``comm`` on the same node (collective).
 
     Returns:
@@ -117,7 +110,7 @@ def local_rank(comm: Optional[MPI.Intracomm] = None) -> tuple[int, int]:
         node.Free()
 
 
-def select_device(comm: Optional[MPI.Intracomm] = None) -> int:
+def select_device(comm: MPI.Intracomm | None = None) -> int:
     """Make GPU ``local_rank % device_count`` cupy's current device (collective).
 
     Ranks on one node spread over its GPUs; with more ranks than GPUs, several
@@ -143,7 +136,7 @@ def select_device(comm: Optional[MPI.Intracomm] = None) -> int:
     return device
 
 
-def processor_names(comm: Optional[MPI.Intracomm] = None) -> list[str]:
+def processor_names(comm: MPI.Intracomm | None = None) -> list[str]:
     """Every rank's processor (host) name, in rank order, on every rank (collective).
 
     Gathered as fixed-size byte buffers: nothing is pickled.

@@ -11,21 +11,20 @@ import argparse
 import json
 import platform
 import sys
-from typing import Any, Optional, Sequence, TextIO
+from collections.abc import Sequence
+from typing import Any, TextIO
 
 import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__, transport
+from . import __version__, config
 from .groups import processor_names
 
 __all__ = ["collect", "format_report", "main"]
 
-#: Bytes per processor name in the fixed-size Allgather.
 
-
-def collect(comm: Optional[MPI.Intracomm] = None) -> dict[str, Any]:
+def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
     """Facts about this process, its MPI library and the job (collective over ``comm``).
 
     Library versions, MPI details and cupy are this rank's view; ``hosts`` and
@@ -45,7 +44,7 @@ def collect(comm: Optional[MPI.Intracomm] = None) -> dict[str, Any]:
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     try:
-        cuda_aware, cuda_source = transport.cuda_support()
+        cuda_aware, cuda_source = config.cuda_aware_default()
     except ValueError as exc:  # a malformed override: say so instead of failing
         cuda_aware, cuda_source = None, str(exc)
     cupy_version, cupy_devices = _cupy()
@@ -102,7 +101,7 @@ def format_report(info: dict[str, Any]) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-def main(argv: Optional[Sequence[str]] = None, out: Optional[TextIO] = None) -> int:
+def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
     """Print the report on rank 0 of ``MPI.COMM_WORLD`` (collective).
 
     Args:
@@ -134,7 +133,7 @@ def _thread_level_name(level: int) -> str:
     return names.get(level, f"unknown ({level})")
 
 
-def _cupy() -> tuple[Optional[str], Any]:
+def _cupy() -> tuple[str | None, Any]:
     """(cupy's version or None if it does not import, device count or why there is none)."""
     try:
         import cupy

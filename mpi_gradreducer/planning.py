@@ -7,50 +7,18 @@ MPI, so the plan can be built and tested in a single process.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+from .dtypes import reduction_dtype
 
 __all__ = [
     "Bucket",
     "ParamSpec",
     "fusion_ids",
     "make_plan",
-    "reduction_dtype",
-    "supported_dtypes",
 ]
-
-
-def supported_dtypes() -> tuple[np.dtype, ...]:
-    """Dtypes the reducer accepts, in a fixed order shared by every rank.
-
-    The position of a dtype in this tuple is its code in the cross-rank plan
-    signature, so it never depends on import order.
-
-    Returns:
-        float16, float32, float64, complex64, complex128 and, where
-        ``ml_dtypes`` is installed, bfloat16.
-    """
-    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "complex64", "complex128")]
-    try:
-        import ml_dtypes
-    except ImportError:  # optional dependency
-        pass
-    else:
-        dtypes.append(np.dtype(ml_dtypes.bfloat16))
-    return tuple(dtypes)
-
-
-def reduction_dtype(dtype: np.dtype) -> np.dtype:
-    """Dtype in which arrays of ``dtype`` are summed.
-
-    Half-precision floats (float16, bfloat16) are summed in float32 and cast
-    back, as MindSpore does; every other supported dtype is summed natively.
-    """
-    dtype = np.dtype(dtype)
-    if dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16"):
-        return np.dtype(np.float32)
-    return dtype
 
 
 @dataclass(frozen=True)
@@ -116,8 +84,8 @@ class Bucket:
 def fusion_ids(
     count: int,
     fusion_type: int = 1,
-    fusion: Optional[Sequence[int]] = None,
-    split_indices: Optional[Sequence[int]] = None,
+    fusion: Sequence[int] | None = None,
+    split_indices: Sequence[int] | None = None,
 ) -> list[int]:
     """Resolve MindSpore-style fusion settings to one fusion id per parameter.
 
@@ -173,7 +141,7 @@ def make_plan(
     direct_bytes: int,
     *,
     reverse: bool = False,
-    first_bucket_bytes: Optional[int] = None,
+    first_bucket_bytes: int | None = None,
     exclude: Sequence[bool] = (),
     wire_dtype=reduction_dtype,
 ) -> tuple[Bucket, ...]:

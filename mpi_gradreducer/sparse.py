@@ -10,13 +10,14 @@ happens inside MPI, so half-precision values travel as they are.
 
 from __future__ import annotations
 
-import zlib
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, planning
+from . import agreement
+from .dtypes import digest, reduction_dtype, scaled_copy, supported_dtypes
 
 __all__ = ["RowSparse", "allgather_rowsparse", "signature"]
 
@@ -84,7 +85,7 @@ class RowSparse:
         nnz = len(self.indices) if hasattr(self.indices, "__len__") else "?"
         return f"RowSparse(nnz={nnz}, dense_shape={self.dense_shape}, dtype={dtype}, index_dtype={index_dtype})"
 
-    def check(self) -> Optional[Exception]:
+    def check(self) -> Exception | None:
         """Validate without raising, so that ranks can agree on the outcome first.
 
         Returns:
@@ -107,7 +108,7 @@ class RowSparse:
             return ValueError(f"indices: expected a 1-D array, got shape {idx.shape}")
         if not isinstance(val, np.ndarray):
             return TypeError(f"values: expected a numpy array, got {type(val).__name__}")
-        supported = planning.supported_dtypes()
+        supported = supported_dtypes()
         if val.dtype not in supported:
             return TypeError(
                 f"values: dtype {val.dtype} is not supported; expected one of "
@@ -163,10 +164,10 @@ def signature(rs: RowSparse) -> tuple[int, ...]:
 
     Returns:
         ``(dtype code, ndim, *dense_shape)``: the code is the dtype's position
-        in :func:`~mpi_gradreducer.planning.supported_dtypes` (-1 if absent).
+        in :func:`~mpi_gradreducer.dtypes.supported_dtypes` (-1 if absent).
         The index dtype and the number of rows may differ between ranks.
     """
-    supported = planning.supported_dtypes()
+    supported = supported_dtypes()
     dtype = getattr(rs.values, "dtype", None)
     code = supported.index(dtype) if dtype in supported else -1
     shape = rs.dense_shape if isinstance(rs.dense_shape, tuple) else ()
@@ -202,7 +203,7 @@ def allgather_rowsparse(
         TypeError, ValueError: on every rank, when any rank's ``rs`` is
             invalid or the ranks' dense shapes or dtypes differ.
     """
-    error: Optional[Exception]
+    error: Exception | None
     if not isinstance(rs, RowSparse):
         error = TypeError(f"rs: expected a RowSparse, got {type(rs).__name__}")
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.integer, np.floating)):
@@ -210,14 +211,13 @@ def allgather_rowsparse(
     else:
         error = rs.check()
     sig = signature(rs) if error is None else (-1,)
-    head = np.array([rs.nnz if error is None else 0, _digest(sig), int(error is not None)], dtype=np.int64)
+    head = np.array([rs.nnz if error is None else 0, digest(sig), int(error is not None)], dtype=np.int64)
     table = np.empty((comm.Get_size(), head.shape[0]), dtype=np.int64)
     comm.Allgather(head, table)
     if table[:, 2].any():
         agreement.raise_if_any(comm, error)  # collective: every rank takes this branch
     if (table[:, 1] != table[0, 1]).any():
-        agreement.check_same(comm, [sig], _describe, lambda i: "the RowSparse gradient")
-        raise ValueError("the ranks disagree on the RowSparse dense_shape or dtype")  # not reached
+        agreement.check_same(comm, [sig], _describe, lambda i: "the RowSparse gradient")  # raises
 
     counts = [int(c) for c in table[:, 0]]
     displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
@@ -248,8 +248,7 @@ def _send_values(values: np.ndarray, scale: float) -> np.ndarray:
     if scale == 1.0:
         return np.ascontiguousarray(values)
     out = np.empty(values.shape, dtype=values.dtype)
-    work = planning.reduction_dtype(values.dtype)  # half precision: multiply in float32, round once
-    np.multiply(values, scale, out=out, dtype=work, casting="unsafe")
+    scaled_copy(values, out, scale, reduction_dtype(values.dtype))  # half precision: in float32, round once
     return out
 
 
@@ -265,18 +264,13 @@ def _coalesced(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
     picked = values[order]
     if starts.shape[0] == n:  # no repeats
         return rows, picked
-    work = planning.reduction_dtype(values.dtype)
+    work = reduction_dtype(values.dtype)
     summed = np.add.reduceat(picked, starts, axis=0, dtype=work)
     return rows[starts], summed.astype(values.dtype, copy=False)
 
 
-def _digest(sig: Sequence[int]) -> int:
-    """A process-independent 32-bit digest of a signature."""
-    return zlib.crc32(np.asarray(sig, dtype=np.int64).tobytes())
-
-
 def _describe(index: int, row: tuple[int, ...]) -> str:
     code, ndim, *shape = row
-    supported = planning.supported_dtypes()
+    supported = supported_dtypes()
     dtype = supported[code].name if 0 <= code < len(supported) else "an unsupported dtype"
     return f"dense_shape {tuple(shape)} of {dtype}"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["CommThread", "ReductionStep"]
 
@@ -19,9 +20,9 @@ class CommThread:
     """
 
     def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]" = queue.SimpleQueue()
-        self._thread: Optional[threading.Thread] = None
-        self._finalizer: Optional[weakref.finalize] = None
+        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._finalizer: weakref.finalize | None = None
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run ``job()`` on the thread after the jobs submitted before it."""
@@ -38,7 +39,7 @@ class CommThread:
         self._thread = self._finalizer = None
 
 
-def _serve(jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
+def _serve(jobs: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -46,7 +47,7 @@ def _serve(jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]") -> None:
         job()
 
 
-def _stop(jobs: "queue.SimpleQueue[Optional[Callable[[], None]]]", thread: threading.Thread) -> None:
+def _stop(jobs: "queue.SimpleQueue[Callable[[], None] | None]", thread: threading.Thread) -> None:
     jobs.put(None)
     thread.join()
 
@@ -84,7 +85,7 @@ class ReductionStep:
         self._finished = 0
         self._errors: list[BaseException] = []
         self._cond = threading.Condition()
-        self._result: Optional[Sequence[Any]] = None
+        self._result: Sequence[Any] | None = None
 
     def ready(self, index: int) -> None:
         """Declare ``grads[index]`` final; launches every bucket that became ready.
@@ -138,7 +139,7 @@ class ReductionStep:
         if self._errors:
             raise self._errors[0]
 
-    def bucket_finished(self, error: Optional[BaseException] = None) -> None:
+    def bucket_finished(self, error: BaseException | None = None) -> None:
         """Called once per bucket by whoever reduced it."""
         with self._cond:
             self._finished += 1

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -155,7 +155,7 @@ def _clock_offset(comm: MPI.Intracomm, hosts: list[str], rounds: int) -> float:
     return best[1]
 
 
-def _gather_bytes(comm: MPI.Intracomm, blob: np.ndarray) -> Optional[list[bytes]]:
+def _gather_bytes(comm: MPI.Intracomm, blob: np.ndarray) -> list[bytes] | None:
     """Every rank's bytes on rank 0 (None elsewhere), with Gather + Gatherv."""
     rank, size = comm.Get_rank(), comm.Get_size()
     count = np.array([blob.size], dtype=np.int64)

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CHUNK_BYTES", "CUDA_AWARE_ENV", "SPLIT_MEAN_BYTES", "allreduce", "cuda_support"]
-
-#: Environment variable that overrides the detected CUDA-awareness ("0" or "1").
-CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
+__all__ = ["CHUNK_BYTES", "SPLIT_MEAN_BYTES", "allreduce", "cuda_support"]
 
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
@@ -29,7 +27,7 @@ def allreduce(
     scale: float = 1.0,
     chunk_bytes: int = CHUNK_BYTES,
     op: MPI.Op = MPI.SUM,
-    after: Optional[Callable[[Any], None]] = None,
+    after: Callable[[Any], None] | None = None,
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
@@ -94,22 +92,17 @@ def _scale(a: Any, scale: float, out: Any = None) -> None:
     np.multiply(a, scale, out=out)
 
 
-def cuda_support() -> tuple[Optional[bool], str]:
+def cuda_support() -> tuple[bool | None, str]:
     """Whether the loaded MPI library accepts CUDA device buffers, and how we know.
 
-    The environment variable ``MPI_GRADREDUCER_CUDA_AWARE`` (``0`` or ``1``)
-    wins; otherwise the MPI library is asked through ctypes:
-    ``MPIX_GPU_query_support`` (MPICH) or ``MPIX_Query_cuda_support``
-    (Open MPI and MPICH).
+    The MPI library is asked through ctypes: ``MPIX_GPU_query_support``
+    (MPICH) or ``MPIX_Query_cuda_support`` (Open MPI and MPICH). The
+    environment variable that overrides the answer is read by
+    :func:`mpi_gradreducer.config.cuda_aware_default`.
 
     Returns:
         ``(answer, source)``: answer is None when nothing could tell.
     """
-    env = os.environ.get(CUDA_AWARE_ENV)
-    if env is not None:
-        if env.strip() not in ("0", "1"):
-            raise ValueError(f"{CUDA_AWARE_ENV}: expected 0 or 1, got {env!r}")
-        return env.strip() == "1", f"the environment variable {CUDA_AWARE_ENV}={env.strip()}"
     for lib in _loaded_mpi_libraries():
         query = getattr(lib, "MPIX_GPU_query_support", None)
         if query is not None:

@@ -41,7 +41,7 @@ from mpi4py import MPI
 
 from conftest import WORLD
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.planning import supported_dtypes
+from mpi_gradreducer.dtypes import supported_dtypes
 
 pytestmark = pytest.mark.mpi
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, create_group
-from mpi_gradreducer.planning import supported_dtypes
+from mpi_gradreducer.dtypes import supported_dtypes
 
 pytestmark = pytest.mark.mpi
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer.planning import supported_dtypes
+from mpi_gradreducer.dtypes import supported_dtypes
 from mpi_gradreducer.sparse import RowSparse, allgather_rowsparse, signature
 
 pytestmark = pytest.mark.mpi

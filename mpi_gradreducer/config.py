@@ -1,0 +1,279 @@
+"""The reducer's options, resolved once: argument checks, environment variables, the cross-rank signature."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import backend, compression as wire, planning, transport
+from .dtypes import supported_dtypes
+from .groups import processor_names
+
+__all__ = [
+    "CUDA_AWARE_ENV",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_TIMEOUT",
+    "DIRECT_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "Options",
+    "TIMELINE_ENV",
+    "TIMEOUT_ENV",
+    "cuda_aware_default",
+    "decide_progress",
+    "describe_row",
+    "param_specs",
+    "positive",
+    "resolve",
+    "signature",
+]
+
+#: Cap on a fused bucket. See docs/performance.rst for the measurement.
+DEFAULT_BUCKET_BYTES = 4 << 20
+#: Parameters from this size up travel alone and, when contiguous, are reduced
+#: in place without a copy: packing them costs more than a separate message.
+DIRECT_BYTES = 1 << 20
+#: Cap on the first bucket (in backward order), so that overlapped
+#: communication starts early, as PyTorch DDP does.
+FIRST_BUCKET_BYTES = 1 << 20
+#: Default watchdog timeout in seconds (torch.distributed's default), unless
+#: the environment variable below says otherwise.
+DEFAULT_TIMEOUT = 1800.0
+TIMEOUT_ENV = "MPI_GRADREDUCER_TIMEOUT"
+#: Default for ``timeline``: a file name, used when the argument is not given.
+TIMELINE_ENV = "MPI_GRADREDUCER_TIMELINE"
+#: Overrides the detected CUDA-awareness of the MPI library ("0" or "1").
+CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
+
+VALIDATE_MODES = ("always", "first", "never")
+PROGRESS_MODES = ("auto", "thread", "deferred")
+
+
+@dataclass(frozen=True)
+class Options:
+    """Every option of a reducer, checked, with the environment's defaults applied.
+
+    Attributes:
+        mean: divide the sums by ``degree``.
+        degree: the divisor of the mean.
+        ids: one fusion id per parameter.
+        skip: one flag per parameter: leave that gradient alone.
+        bucket_bytes: the cap on a fused bucket; None for ``"auto"``.
+        validate: ``"always"``, ``"first"`` or ``"never"``.
+        timeout: seconds before the watchdog aborts; None: no watchdog.
+        check_finite: find NaN/Inf on every call.
+        cuda_aware: hand device buffers straight to MPI.
+        timeline: the trace file rank 0 writes at ``free()``, or None.
+        compression: ``"fp16"``, ``"bf16"`` or None.
+        predivide: the compression's pre-division factor, or None (its default).
+        coalesce: sort and sum the rows of reduced ``RowSparse`` gradients.
+        progress: ``"auto"``, ``"thread"`` or ``"deferred"`` (as asked; the
+            reducer decides ``"auto"`` collectively).
+    """
+
+    mean: bool
+    degree: int
+    ids: tuple[int, ...]
+    skip: tuple[bool, ...]
+    bucket_bytes: int | None
+    validate: str
+    timeout: float | None
+    check_finite: bool
+    cuda_aware: bool
+    timeline: str | None
+    compression: str | None
+    predivide: float | None
+    coalesce: bool
+    progress: str
+
+    @property
+    def scale(self) -> float:
+        """The factor applied to every sum."""
+        return 1.0 / self.degree if self.mean else 1.0
+
+
+def positive(name: str, value: Any, *, integer: bool = False, none: bool = False, also: str = "") -> Any:
+    """``value`` if it is a positive int (or number), else ``ValueError`` naming ``name``.
+
+    Args:
+        name: the argument, for the message.
+        value: what came.
+        integer: only ints are accepted (bools never are).
+        none: None is accepted too.
+        also: text naming the other accepted values, for the message.
+    """
+    if value is None and none:
+        return None
+    kinds = (int, np.integer) if integer else (int, float, np.integer, np.floating)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not value > 0:
+        what = "a positive int" if integer else "a positive number of seconds"
+        raise ValueError(f"{name}: expected {what}{also}, got {value!r}")
+    return int(value) if integer else float(value)
+
+
+def param_specs(parameters: Iterable[Any]) -> tuple[planning.ParamSpec, ...]:
+    """Shape, dtype and device of each parameter.
+
+    Raises:
+        TypeError: a parameter that is not an array, or of an unsupported dtype.
+    """
+    specs = []
+    supported = supported_dtypes()
+    for i, p in enumerate(parameters):
+        device = backend.device_of(p)
+        if device is None:
+            raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {type(p).__name__}")
+        if p.dtype not in supported:
+            raise TypeError(
+                f"parameters[{i}]: dtype {p.dtype} is not supported; expected one of "
+                + ", ".join(d.name for d in supported)
+            )
+        specs.append(planning.ParamSpec(tuple(p.shape), np.dtype(p.dtype), device))
+    return tuple(specs)
+
+
+def resolve(
+    specs: Sequence[planning.ParamSpec],
+    size: int,
+    *,
+    mean: Any,
+    degree: Any,
+    fusion_type: Any,
+    fusion: Any,
+    split_indices: Any,
+    bucket_bytes: Any,
+    skip: Any,
+    validate: Any,
+    timeout: Any,
+    check_finite: Any,
+    cuda_aware: Any,
+    timeline: Any,
+    compression: Any,
+    predivide: Any,
+    coalesce: Any,
+    progress: Any,
+) -> Options:
+    """Check every argument of ``DistributedGradReducer`` and apply the defaults (local).
+
+    Args:
+        specs: the parameters.
+        size: the number of ranks of the group.
+        **: the constructor's arguments, as given.
+
+    Raises:
+        ValueError, TypeError: naming the argument, what was expected and what came.
+    """
+    if not isinstance(mean, (bool, np.bool_)):
+        raise TypeError(f"mean: expected a bool, got {type(mean).__name__} {mean!r}")
+    degree = size if degree is None else positive("degree", degree, integer=True)
+    ids = planning.fusion_ids(len(specs), fusion_type, fusion, split_indices)
+    skip = [False] * len(specs) if skip is None else list(skip)
+    if len(skip) != len(specs):
+        raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
+    try:
+        comp = wire.get_compression(compression)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from exc
+    if comp is not None:
+        if any(not backend.is_host(s.device) for s in specs):
+            raise TypeError("compression: works on host (numpy) gradients only; got device arrays")
+        comp.scales(size, degree, bool(mean), predivide)  # checks predivide
+    elif predivide is not None:
+        raise ValueError(f"predivide: only applies with compression, got predivide={predivide!r}")
+    if not (isinstance(bucket_bytes, str) and bucket_bytes == "auto"):
+        bucket_bytes = positive("bucket_bytes", bucket_bytes, integer=True, also=" or 'auto'")
+    if validate not in VALIDATE_MODES:
+        raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {validate!r}")
+    if isinstance(timeout, str) and timeout == "env":
+        timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
+    timeout = positive("timeout", timeout, none=True, also=" or None")
+    if progress not in PROGRESS_MODES:
+        raise ValueError(f"progress: expected one of {PROGRESS_MODES}, got {progress!r}")
+    if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        raise ValueError("progress='thread' needs MPI_THREAD_MULTIPLE, which MPI did not grant")
+    if cuda_aware is not None and not isinstance(cuda_aware, (bool, np.bool_)):
+        raise TypeError(f"cuda_aware: expected a bool or None, got {type(cuda_aware).__name__} {cuda_aware!r}")
+    if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
+        cuda_aware = bool(cuda_aware_default()[0])
+    return Options(
+        mean=bool(mean), degree=degree, ids=tuple(ids), skip=tuple(bool(s) for s in skip),
+        bucket_bytes=None if bucket_bytes == "auto" else bucket_bytes, validate=validate, timeout=timeout,
+        check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
+        timeline=timeline if timeline is not None else os.environ.get(TIMELINE_ENV),
+        compression=compression, predivide=None if predivide is None else float(predivide),
+        coalesce=bool(coalesce), progress=progress,
+    )
+
+
+def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
+    """The progress mode (collective): ``"auto"`` takes a thread only where every rank has a spare core.
+
+    Args:
+        comm: the reducer's communicator.
+        asked: the ``progress`` option.
+
+    Returns:
+        ``"thread"`` or ``"deferred"``, the same on every rank.
+    """
+    if asked != "auto":
+        return asked
+    multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+    hosts = processor_names(comm)
+    ranks_here = hosts.count(hosts[comm.Get_rank()])
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    spare = np.array([int(multiple and cores >= 2 * ranks_here)], dtype=np.int64)
+    comm.Allreduce(MPI.IN_PLACE, spare, op=MPI.MIN)
+    return "thread" if spare[0] else "deferred"
+
+
+def cuda_aware_default() -> tuple[bool | None, str]:
+    """Whether device buffers may go straight to MPI, and how we know.
+
+    The environment variable ``MPI_GRADREDUCER_CUDA_AWARE`` (``0`` or ``1``)
+    wins; otherwise the MPI library is asked (:func:`transport.cuda_support`).
+
+    Returns:
+        ``(answer, source)``: answer is None when nothing could tell.
+
+    Raises:
+        ValueError: the environment variable is neither 0 nor 1.
+    """
+    env = os.environ.get(CUDA_AWARE_ENV)
+    if env is not None:
+        if env.strip() not in ("0", "1"):
+            raise ValueError(f"{CUDA_AWARE_ENV}: expected 0 or 1, got {env!r}")
+        return env.strip() == "1", f"the environment variable {CUDA_AWARE_ENV}={env.strip()}"
+    return transport.cuda_support()
+
+
+def signature(options: Options, specs: Sequence[planning.ParamSpec]) -> list[tuple[int, ...]]:
+    """What every rank's reducer must have in common: one header row, one row per parameter."""
+    codes = supported_dtypes()
+    cap = -1 if options.bucket_bytes is None else options.bucket_bytes
+    kind = 0 if options.compression is None else 1 + wire.COMPRESSIONS.index(options.compression)
+    predivide = 0.0 if options.predivide is None else options.predivide
+    header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
+              int(predivide * 1e6), PROGRESS_MODES.index(options.progress))
+    rows = [header]
+    for spec, fid, skip in zip(specs, options.ids, options.skip):
+        device_kind = 0 if backend.is_host(spec.device) else 1
+        rows.append((codes.index(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))
+    return rows
+
+
+def describe_row(index: int, row: tuple[int, ...]) -> str:
+    """A readable form of one row of :func:`signature`."""
+    if index == 0:
+        names = (None,) + wire.COMPRESSIONS
+        return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
+            f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r})"
+    codes = supported_dtypes()
+    dtype, fid, skip, device_kind, ndim, *shape = row
+    return (
+        f"shape {tuple(shape)} {codes[dtype].name} on {'cpu' if device_kind == 0 else 'gpu'} "
+        f"(fusion id {fid}{', skipped' if skip else ''})"
+    )

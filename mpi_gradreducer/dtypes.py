@@ -1,0 +1,91 @@
+"""Dtypes: which are supported, in which each is summed, its range, one scaled copy, one digest."""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["digest", "largest_finite", "reduction_dtype", "scaled_copy", "supported_dtypes"]
+
+
+def supported_dtypes() -> tuple[np.dtype, ...]:
+    """Dtypes the reducer accepts, in a fixed order shared by every rank.
+
+    The position of a dtype in this tuple is its code in the cross-rank plan
+    signature, so it never depends on import order.
+
+    Returns:
+        float16, float32, float64, complex64, complex128 and, where
+        ``ml_dtypes`` is installed, bfloat16.
+    """
+    dtypes = [np.dtype(t) for t in ("float16", "float32", "float64", "complex64", "complex128")]
+    try:
+        import ml_dtypes
+    except ImportError:  # optional dependency
+        pass
+    else:
+        dtypes.append(np.dtype(ml_dtypes.bfloat16))
+    return tuple(dtypes)
+
+
+def reduction_dtype(dtype: Any) -> np.dtype:
+    """Dtype in which arrays of ``dtype`` are summed.
+
+    Half-precision floats (float16, bfloat16) are summed in float32 and cast
+    back, as MindSpore does; every other supported dtype is summed natively.
+    """
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16"):
+        return np.dtype(np.float32)
+    return dtype
+
+
+def largest_finite(dtype: Any) -> float:
+    """Largest finite magnitude of a float (or complex) dtype, bfloat16 included."""
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+    return float(np.finfo(dtype).max)
+
+
+def scaled_copy(src: Any, dst: Any, scale: float = 1.0, compute: Any = None) -> None:
+    """``dst[...] = src * scale``, cast to ``dst``'s dtype: the one copy that packs and unpacks.
+
+    The product is formed in ``compute`` (default: the wider of the two
+    dtypes) and rounded once. Complex values are scaled component-wise, so
+    that ``inf + 0j`` stays ``inf + 0j``. Values beyond ``dst``'s range become
+    infinities, as in IEEE arithmetic. ``src`` and ``dst`` may be the same
+    array, and ``src`` may be a host array of another memory layout.
+
+    Args:
+        src: the values (host or device array).
+        dst: the destination, of ``src``'s shape (or 1-D with as many elements).
+        scale: the factor (1.0: a plain cast).
+        compute: dtype of the product.
+    """
+    if dst.shape != src.shape:
+        dst = dst.reshape(src.shape)
+    xp = np if isinstance(dst, np.ndarray) else sys.modules["cupy"]  # a cupy array: cupy is imported
+    with np.errstate(over="ignore"):
+        if scale == 1.0:
+            if src is not dst:
+                xp.copyto(dst, src, casting="unsafe")
+            return
+        if compute is None:
+            compute = np.promote_types(src.dtype, dst.dtype)
+        if dst.dtype.kind == "c" and src.dtype == dst.dtype and src.flags.c_contiguous and dst.flags.c_contiguous:
+            src, dst = src.view(src.real.dtype), dst.view(dst.real.dtype)
+            compute = src.dtype
+        xp.multiply(src, scale, out=dst, dtype=compute, casting="unsafe")
+
+
+def digest(values: Sequence[Any]) -> int:
+    """A deterministic 62-bit digest of ints and strings: the same on every rank and run."""
+    text = repr([v if isinstance(v, str) else int(v) for v in values]).encode()
+    return (zlib.crc32(text) << 30) ^ zlib.adler32(text)

@@ -1,0 +1,93 @@
+"""What a reducer records about itself: counters, timeline spans, and the watchdog around collectives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+from .timeline import Timeline
+from .watchdog import Watchdog
+
+__all__ = ["Instrument", "ReducerStats"]
+
+
+@dataclass
+class ReducerStats:
+    """Always-on counters of a reducer (cheap: a few clock reads per bucket).
+
+    Attributes:
+        calls: completed reductions.
+        messages: collective calls made with gradient data (buckets are sent
+            in chunks of ``transport.CHUNK_BYTES``, adjacent buckets as one
+            run; compressed and row-sparse collectives count too).
+        bytes: bytes handed to MPI, summed over calls.
+        pack_seconds: time spent copying gradients into fusion buffers.
+        allreduce_seconds: time spent in MPI (including in-place scaling).
+        unpack_seconds: time spent copying results back (including scaling).
+        launches: kernel launches made by device packs and unpacks.
+    """
+
+    calls: int = 0
+    messages: int = 0
+    bytes: int = 0
+    pack_seconds: float = 0.0
+    allreduce_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+    launches: int = 0
+
+
+class Instrument:
+    """A reducer's counters, its optional timeline and its optional watchdog.
+
+    Args:
+        comm: the reducer's communicator (the timeline gathers over it at :meth:`close`).
+        timeline: the trace file, or None.
+        timeout: the watchdog's timeout in seconds, or None for no watchdog.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, timeline: str | None, timeout: float | None) -> None:
+        self.stats = ReducerStats()
+        self._timeline = Timeline(comm, timeline) if timeline else None
+        self._watchdog = Watchdog(timeout, lambda: comm.Abort(1), comm.Get_rank()) if timeout else None
+
+    def collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under the watchdog; ``what()`` describes it if it stalls."""
+        wd = self._watchdog
+        if wd is None:
+            return fn(*args, **kwargs)
+        wd.arm(what)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            wd.disarm()
+
+    def phases(self, call: int, ks: Sequence[int], nbytes: int, t0: float, t1: float, t2: float,
+               t3: float) -> None:
+        """Count and trace buckets ``ks``: packed in [t0, t1], reduced in [t1, t2], unpacked in [t2, t3]."""
+        if self._timeline is not None:
+            args = {"call": call, "bucket": ks[0] if len(ks) == 1 else list(ks), "bytes": nbytes}
+            for name, start, end in (("pack", t0, t1), ("allreduce", t1, t2), ("unpack", t2, t3)):
+                if end > start:
+                    self._timeline.record(name, start, end, **args)
+        stats = self.stats
+        stats.bytes += nbytes
+        stats.pack_seconds += t1 - t0
+        stats.allreduce_seconds += t2 - t1
+        stats.unpack_seconds += t3 - t2
+
+    def event(self, name: str, start: float, end: float, **args: Any) -> None:
+        """Trace one more interval (no counter)."""
+        if self._timeline is not None:
+            self._timeline.record(name, start, end, **args)
+
+    def close(self) -> None:
+        """Write the timeline (collective) and stop the watchdog."""
+        if self._timeline is not None:
+            self._timeline.close()
+            self._timeline = None
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = None
