@@ -60,6 +60,8 @@ class Options:
     Attributes:
         mean: divide the sums by ``degree``.
         degree: the divisor of the mean.
+        fixed_degree: ``degree`` was given; otherwise a call divides by the
+            number of ranks that contributed to it (all, until some join).
         ids: one fusion id per parameter.
         skip: one flag per parameter: leave that gradient alone.
         bucket_bytes: the cap on a fused bucket; None for ``"auto"``.
@@ -77,6 +79,7 @@ class Options:
 
     mean: bool
     degree: int
+    fixed_degree: bool
     ids: tuple[int, ...]
     skip: tuple[bool, ...]
     bucket_bytes: int | None
@@ -90,10 +93,9 @@ class Options:
     coalesce: bool
     progress: str
 
-    @property
-    def scale(self) -> float:
-        """The factor applied to every sum."""
-        return 1.0 / self.degree if self.mean else 1.0
+    def divisor(self, contributors: int) -> int:
+        """The divisor of a mean over ``contributors`` ranks."""
+        return self.degree if self.fixed_degree else max(1, contributors)
 
 
 def positive(name: str, value: Any, *, integer: bool = False, none: bool = False, also: str = "") -> Any:
@@ -169,6 +171,7 @@ def resolve(
     """
     if not isinstance(mean, (bool, np.bool_)):
         raise TypeError(f"mean: expected a bool, got {type(mean).__name__} {mean!r}")
+    fixed_degree = degree is not None
     degree = size if degree is None else positive("degree", degree, integer=True)
     ids = planning.fusion_ids(len(specs), fusion_type, fusion, split_indices)
     skip = [False] * len(specs) if skip is None else list(skip)
@@ -200,7 +203,7 @@ def resolve(
     if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
         cuda_aware = bool(cuda_aware_default()[0])
     return Options(
-        mean=bool(mean), degree=degree, ids=tuple(ids), skip=tuple(bool(s) for s in skip),
+        mean=bool(mean), degree=degree, fixed_degree=fixed_degree, ids=tuple(ids), skip=tuple(bool(s) for s in skip),
         bucket_bytes=None if bucket_bytes == "auto" else bucket_bytes, validate=validate, timeout=timeout,
         check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
         timeline=timeline if timeline is not None else os.environ.get(TIMELINE_ENV),

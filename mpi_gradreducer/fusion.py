@@ -13,7 +13,7 @@ from .config import DIRECT_BYTES, FIRST_BUCKET_BYTES, Options
 from .dtypes import largest_finite, reduction_dtype, scaled_copy
 from .planning import Bucket, ParamSpec, make_plan
 
-__all__ = ["FusionBuffer", "FusionPlan", "distinct_caps", "join_runs", "owner", "plan_for"]
+__all__ = ["FusionBuffer", "FusionPlan", "distinct_caps", "join_runs", "owner", "plan_for", "zeros"]
 
 
 class FusionBuffer:
@@ -175,6 +175,8 @@ class FusionPlan:
         self.checked = tuple(checked)
         #: The views handed out by :meth:`allocate_grads` (None where none was).
         self.own_views: list[Any] = [None] * len(specs)
+        #: How many of the checked parameters have such a view.
+        self.own_count = 0
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -203,8 +205,8 @@ class FusionPlan:
                     grads[i] = self.own_views[i] = v
         for i, spec in enumerate(self.specs):
             if grads[i] is None:
-                grads[i] = backend.empty(spec.size, spec.dtype, spec.device).reshape(spec.shape)
-                grads[i][...] = 0
+                grads[i] = zeros(spec)
+        self.own_count = sum(self.own_views[i] is not None for i in self.checked)
         return grads
 
 
@@ -230,6 +232,13 @@ def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[i
             seen.add(shape)
             kept.append(cap)
     return kept
+
+
+def zeros(spec: ParamSpec) -> Any:
+    """A new zero-filled array for a parameter like ``spec``, on its device."""
+    a = backend.empty(spec.size, spec.dtype, spec.device).reshape(spec.shape)
+    a[...] = 0
+    return a
 
 
 def owner(a: Any) -> Any:

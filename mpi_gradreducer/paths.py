@@ -19,79 +19,102 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mpi4py import MPI
 
-from . import backend, compression as wire, transport
+from . import backend, compression as wire, control, transport
 from .config import Options
-from .dtypes import largest_finite
+from .dtypes import largest_finite, scaled_copy
 from .fusion import FusionBuffer, FusionPlan, join_runs
+from .call import Call
 from .instrument import Instrument
 from .sparse import allgather_rowsparse
 from .staging import StagingPipeline
 
-__all__ = ["Call", "Context", "assign"]
+__all__ = ["HEAD_BYTES", "Context", "assign", "run"]
+
+#: Bytes of the first bucket that travel with the call header (the rest follows in its own messages).
+HEAD_BYTES = 64 << 10
 
 
-@dataclass
-class Call:
-    """One reduction: its number, the gradients, what validation found, what the sums showed.
+class Context:
+    """What every path shares: the communicator, the plan, the options, the instrument.
 
-    Attributes:
-        number: the call's number (1 for the first).
-        grads: the caller's gradients (RowSparse entries are replaced by their results).
-        sparse: positions of RowSparse gradients in ``grads``.
-        check_finite: look for NaN/Inf in the results.
-        on_thread: reduced on the communication thread.
-        nonfinite: a result held NaN or Inf (with ``check_finite``).
+    It also knows which bucket's first message carries the call header (the
+    first bucket, where it is a host bucket of 32 or 64-bit floats; else the
+    header travels alone).
     """
 
-    number: int
-    grads: Any
-    sparse: tuple[int, ...] = ()
-    check_finite: bool = False
-    on_thread: bool = False
-    nonfinite: bool = False
+    def __init__(self, comm: MPI.Intracomm, plan: FusionPlan, options: Options, instrument: Instrument,
+                 compression: wire.Compression | None = None) -> None:
+        self.comm, self.plan, self.options, self.instrument = comm, plan, options, instrument
+        self.compression = compression
+        first = plan.buffers[0].bucket if plan.buffers else None
+        carried = (first is not None and backend.is_host(first.device)
+                   and not (compression is not None and first.wire_dtype == compression.wire_dtype)
+                   and control.carries(first.wire_dtype, comm.Get_size()))
+        #: The bucket whose first message carries the header, or None.
+        self.carrier: int | None = 0 if carried else None
+        self._message: Any = None  # the carrier's first message: header, then its head
 
-    def members(self, f: FusionBuffer) -> list[Any]:
-        """Bucket ``f``'s gradients, in bucket order."""
-        return [self.grads[i] for i in f.bucket.indices]
+    def head_count(self) -> int:
+        """Elements of the carrier bucket that travel with the header."""
+        b = self.plan.buffers[0].bucket
+        return min(b.count, max(1, HEAD_BYTES // b.wire_dtype.itemsize))
 
-    def dense(self, f: FusionBuffer) -> bool:
-        """Whether no member of bucket ``f`` is row-sparse in this call."""
-        return not self.sparse or not any(i in self.sparse for i in f.bucket.indices)
+    def first_message(self, call: Call, head: Any = None) -> None:
+        """Sum the header (and the carrier's first elements, ``head``; zeros if None) and settle the call.
 
-    def finite_check(self, limit: float) -> Callable[[Any], None] | None:
-        """The per-chunk NaN/Inf test, when ``check_finite`` is on."""
-        return (lambda chunk: self.check_chunk(chunk, limit)) if self.check_finite else None
+        Raises on every rank when some rank's input is bad; nothing of the
+        caller's has been modified then.
+        """
+        b = self.plan.buffers[0].bucket
+        lead, m = control.lead(b.wire_dtype), self.head_count()
+        if self._message is None:
+            self._message = backend.empty(lead + m, b.wire_dtype, "cpu")
+        msg = self._message
+        call.local.write(control.real_view(msg[:lead]))
+        if head is None:
+            msg[lead:] = 0
+        else:
+            msg[lead:] = head
+        if self.comm.Get_size() > 1:
+            self.instrument.collective(lambda: f"call {call.number}: the header with bucket 0",
+                                       self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
+        self.instrument.stats.messages += 1
+        assert call.settle is not None
+        call.settle(control.Summary.of(control.real_view(msg[:lead])))
+        if head is not None:
+            scaled_copy(msg[lead:], head, call.scale)
+            check = call.finite_check(self.plan.buffers[0].limit)
+            if check is not None:
+                check(head)
 
-    def check_chunk(self, chunk: Any, limit: float) -> None:
-        """Flag NaN, Inf or a value beyond ``limit`` (min/max propagate NaN; no temporaries)."""
-        if self.nonfinite or chunk.size == 0:
+    def take_head(self, k: int, data: Any, call: Call) -> Any:
+        """What of bucket ``k``'s 1-D ``data`` is left to reduce once the header has gone.
+
+        On the carrier bucket, the first elements travel with the header (now,
+        if it is still pending, or they already went as zeros with it, on a
+        rank that has joined); elsewhere, or when the header went ahead on its
+        own, nothing is taken.
+        """
+        if k != self.carrier or call.head == "ahead":
+            return data
+        m = self.head_count()
+        if call.head == "pending":
+            self.first_message(call, data[:m])
+            call.head = "sent"
+        return data[m:]
+
+    def allreduce(self, k: int, buf: Any, call: Call) -> None:
+        """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk."""
+        if call.void:
             return
-        real = chunk.view(chunk.real.dtype) if chunk.dtype.kind == "c" else chunk
-        if not (-limit <= float(real.min()) and float(real.max()) <= limit):
-            self.nonfinite = True
-
-
-@dataclass
-class Context:
-    """What every path shares: the communicator, the plan, the options, the instrument."""
-
-    comm: MPI.Intracomm
-    plan: FusionPlan
-    options: Options
-    instrument: Instrument
-    compression: wire.Compression | None = None
-
-    def allreduce(self, k: int, buf: Any, call: Call, scale: float | None = None) -> None:
-        """Sum (and scale) bucket ``k``'s 1-D buffer ``buf`` in place, chunk by chunk."""
-        scale = self.options.scale if scale is None else scale
         after = call.finite_check(self.plan.buffers[k].limit)
         self.instrument.stats.messages += self.instrument.collective(
-            self.describe(k, call), transport.allreduce, self.comm, buf, scale, after=after)
+            self.describe(k, call), transport.allreduce, self.comm, buf, call.scale, after=after)
 
     def describe(self, k: int, call: Call) -> Callable[[], str]:
         """What bucket ``k`` is, for the watchdog."""
@@ -118,23 +141,30 @@ class PackedPath:
         """Reduce bucket ``k`` through its buffer; row-sparse members travel as zeros."""
         f = self.ctx.plan.buffers[k]
         members = call.members(f)
-        skip = [i in call.sparse for i in f.bucket.indices] if call.sparse else ()
-        if skip and all(skip):
-            return  # every member is row-sparse this call: gathered by SparsePath
+        sparse = call.sparse
+        skip = [i in sparse for i in f.bucket.indices] if sparse else ()
+        if (skip and all(skip)) or call.void:  # gathered by SparsePath, or nobody contributes
+            if k == self.ctx.carrier and call.head == "pending":
+                self.ctx.first_message(call)  # the header still goes, with the zeros the others see here
+                call.head = "sent"
+            return
+        pre, post = self.scales(call)
         t0 = time.perf_counter()
-        f.pack(members, self.pack_scale, skip)
+        f.pack(members, pre, skip)
         t1 = time.perf_counter()
         self.sum(k, f, call)
         t2 = time.perf_counter()
-        f.unpack(members, self.unpack_scale, skip)
+        if not call.void:
+            f.unpack(members, post, skip)
         self.ctx.record(call, (k,), t0, t1, t2, time.perf_counter())
 
-    pack_scale = 1.0
-    unpack_scale = 1.0
+    def scales(self, call: Call) -> tuple[float, float]:
+        """Factors applied when packing and when unpacking (the sum itself is scaled by ``call.scale``)."""
+        return 1.0, 1.0
 
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum (and scale) the packed buffer of bucket ``k`` across ranks."""
-        self.ctx.allreduce(k, f.buffer, call)  # scaled chunk by chunk, while in cache
+        self.ctx.allreduce(k, self.ctx.take_head(k, f.buffer, call), call)  # scaled chunk by chunk, in cache
 
 
 class HostPath(PackedPath):
@@ -150,16 +180,18 @@ class HostPath(PackedPath):
         while start < len(ks):
             run = self._in_place(ks[start], call)
             end = start + 1
-            if run is None:
+            if run is None or call.void:
                 self.packed(ks[start], call)
                 start = end
                 continue
-            while end < len(ks) and (nxt := self._in_place(ks[end], call)) is not None:
+            t0 = time.perf_counter()
+            run = self.ctx.take_head(ks[start], run, call)
+            joins = call.info is not None and call.info.runs  # the same on every rank
+            while joins and end < len(ks) and (nxt := self._in_place(ks[end], call)) is not None:
                 joined = join_runs(run, nxt)
                 if joined is None:
                     break
                 run, end = joined, end + 1
-            t0 = time.perf_counter()
             self.ctx.allreduce(ks[start], run, call)
             t2 = time.perf_counter()
             self.ctx.record(call, ks[start:end], t0, t0, t2, t2)
@@ -174,15 +206,17 @@ class HostPath(PackedPath):
 class CompressedPath(PackedPath):
     """float32/float64 buckets sent as 16-bit floats, each rank summing one slice in float32."""
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
+    def scales(self, call: Call) -> tuple[float, float]:
+        """Pre-division before the cast to 16 bits, and its inverse with the mean after."""
+        ctx = self.ctx
         assert ctx.compression is not None
-        self.pack_scale, self.unpack_scale = ctx.compression.scales(
-            ctx.comm.Get_size(), ctx.options.degree, ctx.options.mean, ctx.options.predivide)
+        return ctx.compression.scales(ctx.comm.Get_size(), call.degree, ctx.options.mean, ctx.options.predivide)
 
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum the wire buffer of bucket ``k`` across ranks (scaled on unpack)."""
         ctx = self.ctx
+        if call.void:
+            return
         ctx.instrument.stats.messages += ctx.instrument.collective(
             ctx.describe(k, call), wire.compressed_allreduce, ctx.comm, f.buffer, ctx.compression,
             after=call.finite_check(f.limit))
@@ -222,6 +256,8 @@ class DevicePath:
 
     def _reduce(self, ks: Sequence[int], call: Call, ops: Any) -> None:
         ctx = self.ctx
+        if call.void:
+            return
         launches = 0
         t0 = time.perf_counter()
         buffers, packed = [], []
@@ -256,16 +292,15 @@ class SparsePath:
     """The call's RowSparse gradients: every rank's rows on every rank, in index order."""
 
     ctx: Context
-    _limits: dict[int, float] = field(default_factory=dict)
 
     def reduce(self, call: Call) -> None:
         """Gather each RowSparse gradient of ``call`` and put the result in ``call.grads``."""
         ctx = self.ctx
-        for i in call.sparse:
+        for i in () if call.void else call.sparse:
             t0 = time.perf_counter()
             result = ctx.instrument.collective(
                 lambda i=i: f"call {call.number}, RowSparse grads[{i}]", allgather_rowsparse,
-                ctx.comm, call.grads[i], ctx.options.scale, ctx.options.coalesce,
+                ctx.comm, call.grads[i], call.scale, ctx.options.coalesce,
             )
             ctx.instrument.stats.messages += 3
             if result.values.size:

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, config, paths
+from . import agreement, config, control, paths
 from .compression import get_compression
 from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
-from .dtypes import digest
+from .call import Call, close, open_call, settle
 from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
 from .steps import CommThread, ReductionStep
@@ -135,9 +135,11 @@ class DistributedGradReducer:
         self._build_plan(self._tuner.current() if self._tuner is not None else options.bucket_bytes)
         #: With ``check_finite``: whether the last call's results held NaN or Inf (on any rank).
         self.nonfinite = False
+        #: How many ranks contributed to the last call (the same on every rank; see ``join``).
+        self.contributors = self._comm.Get_size()
         self._calls = 0
         self._active: ReductionStep | None = None
-        self._control: MPI.Intracomm | None = None  # for wait()'s readiness check
+        self._control: MPI.Intracomm | None = self._comm.Dup()  # for wait()'s readiness check
         self._thread: CommThread | None = None
         self._deferred: list[int] = []  # buckets launched but not yet reduced ("deferred" progress)
 
@@ -160,9 +162,9 @@ class DistributedGradReducer:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
         self._bucket_bytes = bucket_bytes
         self._plan = plan_for(self._specs, self.options, bucket_bytes)
-        ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
-        self._paths = paths.assign(ctx)
-        self._sparse = paths.SparsePath(ctx)
+        self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
+        self._paths = paths.assign(self._ctx)
+        self._sparse = paths.SparsePath(self._ctx)
 
     # -- public API -------------------------------------------------------------------
 
@@ -205,19 +207,7 @@ class DistributedGradReducer:
                 not match the plan; no array has been modified on any rank.
             RuntimeError: when an asynchronous reduction is still in flight.
         """
-        call = self._start(grads)
-        tuner = self._tuner
-        if tuner is not None and tuner.current() != self._bucket_bytes:
-            self._build_plan(tuner.current())
-        t0 = time.perf_counter()
-        paths.run(self._paths, range(len(self._paths)), call)
-        self._sparse.reduce(call)
-        if tuner is not None:
-            tuner.record(time.perf_counter() - t0)
-            if tuner.finished:
-                self._build_plan(tuner.decide(self._comm))
-                self._tuner = None
-        self._finish(call)
+        self._reduce(self._start(grads), grads)
         return grads
 
     def begin(self, grads: Sequence[Any]) -> ReductionStep:
@@ -239,15 +229,13 @@ class DistributedGradReducer:
         Returns:
             The step in flight.
         """
-        call = self._start(grads)
-        if self._control is None:
-            self._control = self._comm.Dup()
+        call = self._start(grads, asynchronous=True)
         if self._thread is None and self.progress == "thread":
             self._thread = CommThread()
         call.on_thread = self._thread is not None
         self._active = ReductionStep(
             grads, self._plan.bucket_of, [len(b.indices) for b in self.buckets],
-            lambda step, batch: self._launch(call, step, batch), lambda step: self._complete(call, step),
+            lambda step, batch: self._launch(call, step, batch), lambda step: self._complete(call, step, grads),
         )
         return self._active
 
@@ -283,29 +271,71 @@ class DistributedGradReducer:
 
     # -- one call ---------------------------------------------------------------------
 
-    def _start(self, grads: Sequence[Any]) -> paths.Call:
-        """Validate ``grads`` (agreeing across ranks, as ``validate`` says) and open a call."""
+    def join(self) -> None:
+        """This rank has no more data: take part in the other ranks' calls with nothing (collective).
+
+        Returns on every rank once every rank has joined. Each call made
+        meanwhile by the other ranks is averaged over the ranks that
+        contributed to it (``contributors``; with an explicit ``degree``
+        the divisor stays). The reducer is usable afterwards.
+        """
+        while True:
+            call = self._start(None)
+            if call.void:
+                self.contributors = 0
+                return
+            if call.info is not None and call.info.asynchronous:
+                self._agree_on_readiness(())
+            self._reduce(call, None)
+
+    # -- one call ---------------------------------------------------------------------
+
+    def _start(self, grads: Any, asynchronous: bool = False) -> Call:
+        """Validate ``grads`` (None: this rank has joined), open the call, read its header if it goes ahead."""
         if self._active is not None:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
-        agree = self.validate == "always" or (self.validate == "first" and self._calls == 0)
-        error, sparse = check_grads(grads, self._plan, aliasing=agree)
-        if agree:
-            layout = digest(sparse)
-            self._instrument.collective(lambda: "the validation of the gradients",
-                                        agreement.raise_if_any, self._comm, error, (layout,))
-        elif error is not None:
-            raise error
+        checked = None
+        if grads is not None:
+            aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
+            checked = check_grads(grads, self._plan, aliasing)
+        call = open_call(self._calls + 1, grads, self._plan, checked, check_finite=self.check_finite,
+                         asynchronous=asynchronous)
+        call.settle = lambda summary: settle(call, self._comm, self.options, self._plan, summary)
+        if self._ctx.carrier is None:  # the header travels alone
+            call.settle(self._instrument.collective(lambda: f"call {call.number}: the header",
+                                                    control.exchange, self._comm, call.local))
+            call.head = "ahead"
+        elif grads is None or asynchronous or call.local.error is not None:
+            self._ctx.first_message(call)  # the header with zeros: the same message as the others send
+            call.head = "ahead" if call.info.asynchronous else "sent"
         self._calls += 1
         self.nonfinite = False
-        return paths.Call(self._calls, grads, sparse, self.check_finite)
+        return call
 
-    def _finish(self, call: paths.Call) -> None:
+    def _reduce(self, call: Call, grads: Any) -> None:
+        """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning."""
+        tuner = self._tuner
+        if tuner is not None and tuner.current() != self._bucket_bytes:
+            self._build_plan(tuner.current())
+        t0 = time.perf_counter()
+        paths.run(self._paths, range(len(self._paths)), call)
+        self._sparse.reduce(call)
+        if tuner is not None:
+            tuner.record(time.perf_counter() - t0)
+            if tuner.finished:
+                self._build_plan(tuner.decide(self._comm))
+                self._tuner = None
+        self._finish(call, grads)
+
+    def _finish(self, call: Call, grads: Any) -> None:
+        close(call, grads)
         self.nonfinite = call.nonfinite
+        self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1
 
-    def _launch(self, call: paths.Call, step: ReductionStep, batch: list[int]) -> None:
+    def _launch(self, call: Call, step: ReductionStep, batch: list[int]) -> None:
         """Buckets ``batch`` became ready: reduce them on the thread, or keep them for ``wait()``."""
         if self._thread is None:
             self._deferred.extend(batch)
@@ -314,7 +344,7 @@ class DistributedGradReducer:
             getattr(path, "before_launch", lambda: None)()
         self._thread.submit(lambda: self._run_batch(call, step, batch))
 
-    def _run_batch(self, call: paths.Call, step: ReductionStep, batch: list[int]) -> None:
+    def _run_batch(self, call: Call, step: ReductionStep, batch: list[int]) -> None:
         error: BaseException | None = None
         try:
             paths.run(self._paths, batch, call)
@@ -323,13 +353,18 @@ class DistributedGradReducer:
         for _ in batch:
             step.bucket_finished(error)
 
-    def _complete(self, call: paths.Call, step: ReductionStep) -> Sequence[Any]:
-        """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
-        missing = step.not_ready()
+    def _agree_on_readiness(self, missing: Sequence[int]) -> np.ndarray:
+        """How many gradients each rank had not declared ready at ``wait()`` (collective on the control comm)."""
         counts = np.array([len(missing)], dtype=np.int64)
         if self._comm.Get_size() > 1:
             counts = np.zeros(self._comm.Get_size(), dtype=np.int64)
             self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
+        return counts
+
+    def _complete(self, call: Call, step: ReductionStep, grads: Any) -> Sequence[Any]:
+        """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
+        missing = step.not_ready()
+        counts = self._agree_on_readiness(missing)
         if counts.any():
             step.mark_all_ready()  # every rank still issues every collective: no one hangs
         try:
@@ -349,6 +384,6 @@ class DistributedGradReducer:
                 + ". The buckets were reduced anyway, with the values those gradients held at wait(), "
                 "so that no rank hangs; call ready(i) for every gradient before wait()"
             )
-        self._finish(call)
+        self._finish(call, grads)
         return step.grads
 

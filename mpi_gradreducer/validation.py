@@ -5,7 +5,8 @@ Local only: :mod:`agreement` makes every rank reach the same verdict.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,11 +16,28 @@ from .fusion import FusionPlan, owner
 from .planning import ParamSpec
 from .sparse import RowSparse
 
-__all__ = ["check_grads"]
+__all__ = ["Checked", "check_grads"]
 
 
-def check_grads(grads: Any, plan: FusionPlan, aliasing: bool) -> tuple[Exception | None, tuple[int, ...]]:
-    """Why ``grads`` cannot be reduced with ``plan``, and where its RowSparse entries are.
+@dataclass(frozen=True)
+class Checked:
+    """What the local checks found.
+
+    Attributes:
+        error: why the gradients cannot be reduced, or None.
+        sparse: positions of RowSparse gradients.
+        absent: positions of None gradients (this rank has none for that parameter).
+        views: every gradient that can be is the reducer's own bucket view.
+    """
+
+    error: Exception | None
+    sparse: tuple[int, ...] = ()
+    absent: tuple[int, ...] = ()
+    views: bool = False
+
+
+def check_grads(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
+    """Why ``grads`` cannot be reduced with ``plan``, and where its RowSparse and None entries are.
 
     Never raises: an object that cannot even be looked at is reported as a
     ``TypeError``, so that a rank with odd input still reaches the agreement.
@@ -28,26 +46,37 @@ def check_grads(grads: Any, plan: FusionPlan, aliasing: bool) -> tuple[Exception
         grads: what the caller passed.
         plan: the reducer's plan.
         aliasing: also check that no two gradients share memory.
-
-    Returns:
-        ``(error or None, positions of RowSparse gradients)``.
     """
     try:
         return _check(grads, plan, aliasing)
     except Exception as exc:  # an unexpected object must not strand the others
-        return TypeError(f"grads: could not be checked ({exc!r})"), ()
+        return Checked(TypeError(f"grads: could not be checked ({exc!r})"))
 
 
-def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> tuple[Exception | None, tuple[int, ...]]:
+def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
     n = len(plan.specs)
+    if not isinstance(grads, Sequence):
+        return Checked(TypeError(
+            f"grads: expected a list of {n} arrays (one per parameter), got {type(grads).__name__}"
+            + ("; pass list(...) of it" if isinstance(grads, Iterable) and not isinstance(grads, (str, bytes)) else "")))
     if len(grads) != n:
-        return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}"), ()
+        return Checked(ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}"))
     own, specs = plan.own_views, plan.specs
     sparse: list[int] = []
+    absent: list[int] = []
+    views = 0
     for i in plan.checked:
         g = grads[i]
         if g is own[i]:
+            views += 1
             continue  # the reducer's own view: right shape, dtype and place by construction
+        if g is None:
+            if not isinstance(grads, list):
+                return Checked(TypeError(
+                    f"grads: a None gradient (grads[{i}]) is replaced by the other ranks' average, "
+                    f"so grads must be a list, got {type(grads).__name__}"))
+            absent.append(i)
+            continue
         spec = specs[i]
         if (type(g) is not np.ndarray or g.shape != spec.shape or g.dtype != spec.dtype
                 or not g.flags.writeable or spec.device != "cpu"):
@@ -57,11 +86,13 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> tuple[Exception | No
             else:
                 error = _mismatch(i, g, spec)
             if error is not None:
-                return error, ()
+                return Checked(error)
+    error = None
     if aliasing:
-        dense = [i for i in plan.bucketed if i not in sparse] if sparse else plan.bucketed
-        return _aliasing_error(grads, dense, own, plan.buffer_owners()), tuple(sparse)
-    return None, tuple(sparse)
+        skip = set(sparse) | set(absent)
+        dense = [i for i in plan.bucketed if i not in skip] if skip else plan.bucketed
+        error = _aliasing_error(grads, dense, own, plan.buffer_owners())
+    return Checked(error, tuple(sparse), tuple(absent), views > 0 and views == plan.own_count)
 
 
 def _mismatch(i: int, g: Any, spec: ParamSpec) -> Exception | None:

@@ -1,0 +1,215 @@
+"""The call header: what every rank says about a call, carried with the data the call sends anyway.
+
+Each rank contributes a few small integers to every call: whether its input is
+valid, whether it contributes data (a rank that has called ``join()`` does
+not), whether it needs a closer look (it passed ``None`` for some gradient),
+whether it passes the reducer's own bucket views for every gradient (only
+then may consecutive buckets be reduced as one run, since that changes the
+messages), and three 8-bit digests of the call's structure (the call number
+and where its ``RowSparse`` entries are) with their squares. They are *summed* across
+ranks together with the call's first message: the header occupies a few
+leading elements of that message's buffer (:data:`SLOTS` real values), so a
+healthy call pays no message of its own. From the sums every rank reads the
+same :class:`Summary`:
+
+- ``failed``: how many ranks have invalid input;
+- ``contributors``: how many ranks contribute (the divisor of a mean);
+- the digests agree on every contributing rank exactly when
+  ``contributors * sum(d**2) == sum(d)**2`` for each digest (Cauchy-Schwarz).
+
+Only when something is off (a failure, a disagreement, a ``None``, a joined
+rank) do the ranks :func:`settle` the call with one more exchange, which
+names the ranks and tells every rank the call's structure. No rank modifies a
+caller's array before that. Where the first message cannot carry the header
+(device or 16-bit buffers, or too many ranks for exact float32 sums), it
+travels alone (:func:`exchange`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from . import agreement
+from .dtypes import digest
+
+__all__ = ["SLOTS", "CallInfo", "Local", "Summary", "carries", "exchange", "lead", "real_view", "settle"]
+
+#: Real values in a header: failed, contributing, attention, views, asynchronous, 3 digests, 3 squares.
+SLOTS = 11
+_DIGESTS = 3
+#: Ranks beyond which float32 sums of the squared 8-bit digests are no longer exact.
+_FLOAT32_RANKS = (1 << 24) // (255 * 255)
+
+#: Per-parameter flags exchanged by :func:`settle`.
+DENSE, ABSENT, SPARSE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Local:
+    """This rank's part of a call's header.
+
+    Attributes:
+        call: the call's number.
+        error: this rank's validation error, or None.
+        contributing: False on a rank that has joined.
+        sparse: positions of RowSparse gradients.
+        absent: positions of None gradients.
+        views: every gradient is the reducer's own bucket view.
+        asynchronous: the call was started by ``begin()``: the header went
+            ahead of the data, and every bucket is sent in full.
+    """
+
+    call: int
+    error: Exception | None = None
+    contributing: bool = True
+    sparse: tuple[int, ...] = ()
+    absent: tuple[int, ...] = ()
+    views: bool = False
+    asynchronous: bool = False
+
+    def values(self) -> list[int]:
+        """The header's integers (a joined rank's digests are zero: it knows no structure)."""
+        on = self.contributing and self.error is None
+        digests = _digests([self.call, int(self.asynchronous), *self.sparse]) if on else [0] * _DIGESTS
+        return [int(self.error is not None), int(self.contributing), int(bool(self.absent)), int(self.views),
+                int(self.asynchronous), *digests, *(d * d for d in digests)]
+
+    def write(self, slots: np.ndarray) -> None:
+        """Store the header in the first :data:`SLOTS` real values of ``slots``."""
+        slots[:SLOTS] = self.values()
+        slots[SLOTS:] = 0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What the summed header tells every rank (the same everywhere)."""
+
+    failed: int
+    contributors: int
+    attention: int
+    views: int
+    asynchronous: int
+    agree: bool
+
+    @classmethod
+    def of(cls, sums: Sequence[float]) -> Summary:
+        """Read summed header values."""
+        v = [int(round(float(x))) for x in sums[:SLOTS]]
+        contributors = v[1]
+        agree = all(contributors * v[5 + _DIGESTS + j] == v[5 + j] ** 2 for j in range(_DIGESTS))
+        return cls(failed=v[0], contributors=contributors, attention=v[2], views=v[3], asynchronous=v[4],
+                   agree=agree)
+
+    def healthy(self, size: int) -> bool:
+        """Every rank valid, contributing, with the same structure, and no None anywhere."""
+        return self.failed == 0 and self.contributors == size and self.attention == 0 and self.agree
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """A call's structure, the same on every rank, after the header was read.
+
+    Attributes:
+        contributors: ranks that contribute data.
+        sparse: positions of RowSparse gradients (on every contributing rank).
+        absent: positions whose gradient is None on every contributing rank.
+        runs: every rank passes the reducer's own views, so that consecutive
+            buckets may be reduced as one run.
+        asynchronous: the contributing ranks started the call with ``begin()``.
+    """
+
+    contributors: int
+    sparse: tuple[int, ...] = ()
+    absent: tuple[int, ...] = ()
+    runs: bool = False
+    asynchronous: bool = False
+
+
+def carries(dtype: np.dtype, size: int) -> bool:
+    """Whether a message of ``dtype`` can carry the header with exact sums on ``size`` ranks."""
+    dtype = np.dtype(dtype)
+    if dtype.kind not in "fc" or dtype.name == "bfloat16":
+        return False
+    real_bytes = dtype.itemsize // (2 if dtype.kind == "c" else 1)
+    return real_bytes >= 8 or (real_bytes == 4 and size <= _FLOAT32_RANKS)
+
+
+def lead(dtype: np.dtype) -> int:
+    """Elements of ``dtype`` that hold the header at the start of a message."""
+    dtype = np.dtype(dtype)
+    per = 2 if dtype.kind == "c" else 1
+    return -(-SLOTS // per)
+
+
+def real_view(a: np.ndarray) -> np.ndarray:
+    """``a`` (1-D, contiguous) as real values."""
+    return a.view(a.real.dtype) if a.dtype.kind == "c" else a
+
+
+def exchange(comm: MPI.Intracomm, local: Local) -> Summary:
+    """The header alone: one small Allreduce, for calls whose first message cannot carry it."""
+    buf = np.array(local.values(), dtype=np.int64)
+    if comm.Get_size() > 1:
+        comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+    return Summary.of(buf)
+
+
+def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> CallInfo:
+    """The call's structure on every rank; raises on every rank when a rank's input is bad.
+
+    Free when the summary is healthy; otherwise one ``Allgather`` of every
+    rank's flags (and, on failure, the agreement's exchange of the message).
+
+    Args:
+        comm: the reducer's communicator.
+        local: this rank's header.
+        summary: the summed header.
+        count: the number of parameters.
+
+    Raises:
+        ValueError, TypeError: the failing rank's error, or a disagreement
+            between contributing ranks, on every rank.
+    """
+    size = comm.Get_size()
+    runs, asynchronous = summary.views == size, summary.asynchronous > 0
+    if summary.healthy(size):
+        return CallInfo(size, local.sparse, runs=runs, asynchronous=asynchronous)
+    if summary.failed:
+        agreement.raise_if_any(comm, local.error)
+    row = np.zeros(3 + count, dtype=np.int64)
+    row[0], row[1], row[2] = local.call, int(local.contributing), int(local.asynchronous)
+    row[3 + np.asarray(local.absent, dtype=np.int64)] = ABSENT
+    row[3 + np.asarray(local.sparse, dtype=np.int64)] = SPARSE
+    table = np.empty((size, row.shape[0]), dtype=np.int64)
+    comm.Allgather(row, table)
+    active = np.flatnonzero(table[:, 1])
+    if active.shape[0] == 0:
+        return CallInfo(0, runs=runs, asynchronous=asynchronous)
+    first = table[active[0]]
+    for r in active[1:]:
+        if table[r, 0] != first[0]:
+            raise ValueError(
+                f"the ranks are at different calls: rank {active[0]} at call {first[0]}, rank {r} at call "
+                f"{table[r, 0]}; a rank skipped or repeated a call (every rank must call the reducer "
+                "equally often; use join() on a rank that has run out of data)")
+        if table[r, 2] != first[2]:
+            raise ValueError(
+                f"the ranks started call {first[0]} differently: rank {active[(table[active, 2] == 1).argmax()]} "
+                f"with begin() or reduce_async(), rank {active[(table[active, 2] == 0).argmax()]} with a "
+                "blocking call; start each call the same way on every rank")
+        if not np.array_equal(table[r, 3:] == SPARSE, first[3:] == SPARSE):
+            raise ValueError(
+                "the ranks passed differently structured arguments (e.g. a RowSparse entry "
+                "on one rank where another passed a dense array); pass the same structure on every rank")
+    flags = table[active, 3:]
+    return CallInfo(int(active.shape[0]), tuple(int(i) for i in np.flatnonzero(first[3:] == SPARSE)),
+                    tuple(int(i) for i in np.flatnonzero((flags == ABSENT).all(axis=0))), runs, asynchronous)
+
+
+def _digests(values: Sequence[int]) -> list[int]:
+    d = digest(values)
+    return [(d >> (8 * j)) & 0xFF for j in range(_DIGESTS)]
