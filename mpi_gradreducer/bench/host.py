@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import sys
 from dataclasses import dataclass, field
