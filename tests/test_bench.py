@@ -1,4 +1,4 @@
-"""The benchmark's entry point, in process, on a tiny workload, over real MPI."""
+"""The host benchmark's entry point, in process, on tiny workloads, over real MPI."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import pytest
 
 from conftest import WORLD
 from mpi_gradreducer import bench
+from mpi_gradreducer.bench import host
+from mpi_gradreducer.bench.torch_methods import torch_ingestion
 
 pytestmark = pytest.mark.mpi
 
@@ -25,12 +27,14 @@ def _shared_tempdir() -> str:
     return WORLD.bcast(path, root=0)
 
 
-def test_main_writes_every_method_with_positive_times():
+@pytest.fixture(scope="module")
+def run() -> tuple[dict, dict]:
+    """One tiny run of every method on many-small and small: (what main returned, what it wrote)."""
     directory = _shared_tempdir()
     path = os.path.join(directory, "bench.json")
     try:
         returned = bench.main(
-            ["--workload", "many-small", "--small-count", "12", "--small-size", "300",
+            ["--workload", "many-small", "small", "--small-count", "12", "--small-size", "300",
              "--reps", "1", "--warmup", "0", "--json", path],
             comm=WORLD,
         )
@@ -41,15 +45,20 @@ def test_main_writes_every_method_with_positive_times():
         WORLD.Barrier()
         if WORLD.Get_rank() == 0:
             shutil.rmtree(directory, ignore_errors=True)
+    return returned, written
+
+
+def test_main_writes_every_method_with_positive_times(run):
+    returned, written = run
     env = written["environment"]
     assert env["ranks"] == WORLD.Get_size()
     assert env["mpi_library_version"] and env["numpy"] == np.__version__
-    for key in ("hostname", "date", "command_line", "constants"):
+    for key in ("hostname", "date", "command_line", "constants", "hosts", "thread_level"):
         assert env[key]
     res = written["workloads"]["many-small"]
     assert (res["tensors"], res["bytes"], res["ranks"]) == (12, 12 * 300 * 4, WORLD.Get_size())
     expected = set(ALWAYS) | ({"torch-gloo"} if written["torch_gloo"] else set())
-    assert set(res["methods"]) == expected
+    assert set(res["methods"]) - {"reducer-torch"} == expected
     for name, m in res["methods"].items():
         assert len(m["times_ms"]) == 1, name
         for key in ("median_ms", "min_ms", "algbw_GBps", "ratio_to_limit"):
@@ -60,14 +69,52 @@ def test_main_writes_every_method_with_positive_times():
     assert returned["workloads"]["many-small"]["methods"].keys() == res["methods"].keys()
 
 
-def test_workload_shapes():
-    r = bench.resnet50()
-    assert (r.count, r.elements) == (161, 25_557_032)
-    b = bench.bert_base()
-    assert (b.count, b.elements) == (199, 109_482_240)
-    quarter = bench.bert_base(0.25)
-    assert 0.2 < quarter.elements / b.elements < 0.3
-    m = bench.mixed()
-    assert {d.name for d in m.dtypes} == {"float16", "float32"}
-    with pytest.raises(ValueError):
-        bench.bert_base(0.0)
+def test_reducer_torch_runs_or_says_why_not_on_every_rank(run):
+    returned, _ = run
+    why = torch_ingestion(WORLD)  # collective: the same verdict as the run's
+    for res in returned["workloads"].values():
+        if why is None:
+            assert "reducer-torch" in res["methods"] and "reducer-torch" not in res["skipped"]
+            assert math.isfinite(res["torch_over_reducer"]) and res["torch_over_reducer"] > 0
+        else:
+            assert "reducer-torch" not in res["methods"] and "torch_over_reducer" not in res
+            assert res["skipped"]["reducer-torch"] == why
+            assert why.startswith("rank ") and ("not supported by this reducer" in why or "torch" in why)
+    reasons = WORLD.allgather(why)
+    assert reasons == [reasons[0]] * len(reasons)
+
+
+def test_small_workload_reports_ratio_to_one_allreduce_and_validation(run):
+    returned, _ = run
+    res = returned["workloads"]["small"]
+    assert (res["tensors"], res["bytes"]) == (4, 38_440)
+    assert list(res["limit_by_chunk"]) == ["limit@whole"]  # 38 KB: one Allreduce, never chunked
+    assert res["messages"]["limit"] == 1
+    methods = res["methods"]
+    assert res["reducer_over_one_allreduce"] == pytest.approx(
+        methods["reducer"]["median_ms"] / res["limit_by_chunk"]["limit@whole"]["median_ms"])
+    assert res["always_over_never"] == pytest.approx(
+        methods["reducer"]["median_ms"] / methods["reducer-novalidate"]["median_ms"])
+    text = host.format_workload("small", res)
+    assert "reducer / one Allreduce of all 38440 bytes = " in text
+    assert 'validate="always" / validate="never" = ' in text
+    assert "38.4 KB" in text.splitlines()[0]
+
+
+def test_negative_validation_cost_prints_as_noise(run):
+    returned, _ = run
+    res = dict(returned["workloads"]["many-small"])
+    res["validation_cost_percent"] = -4.2
+    text = host.format_workload("many-small", res)
+    assert "validation cost: < noise of reducer" in text and "-4.2" not in text
+    res["validation_cost_percent"] = 4.2
+    assert "validation cost: 4.2% of reducer" in host.format_workload("many-small", res)
+
+
+def test_methods_can_be_chosen():
+    returned = bench.main(["--workload", "small", "--methods", "limit", "reducer", "--reps", "1", "--warmup", "0"],
+                          comm=WORLD)
+    res = returned["workloads"]["small"]
+    assert set(res["methods"]) == {"limit", "reducer"}
+    assert "validation_cost_percent" not in res and "always_over_never" not in res
+    assert res["reducer_over_one_allreduce"] > 0

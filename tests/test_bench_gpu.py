@@ -7,7 +7,7 @@ import math
 import pytest
 
 from conftest import WORLD
-from mpi_gradreducer import bench_gpu
+from mpi_gradreducer.bench import gpu as bench_gpu
 
 pytestmark = pytest.mark.mpi
 
@@ -45,3 +45,9 @@ def test_tiny_run_reports_every_method_or_why_not(cupy):
     for name, m in res["methods"].items():
         assert math.isfinite(m["median_ms"]) and m["median_ms"] > 0, name
     assert res["methods"]["copy-bound"]["x_copy_bound"] == 1.0
+    for name, k in res["kernel_launches"].items():  # from the public counters only
+        assert k["calls"] >= 2 and k["buckets"] == res["messages"][name], name
+        assert k["launches_per_bucket_per_call"] == pytest.approx(k["launches"] / k["calls"] / k["buckets"])
+    staged = res["kernel_launches"].get("reducer-staged")
+    if staged is not None:  # 12 small tensors: packed, so one pack and one unpack launch per bucket
+        assert staged["launches_per_bucket_per_call"] == pytest.approx(2.0)

@@ -1,0 +1,454 @@
+"""Host benchmark: the reducer against the raw MPI limit, a per-tensor loop and torch gloo.
+
+Run it under MPI; only rank 0 prints::
+
+    mpiexec -n 4 python -m mpi_gradreducer.bench --scale 0.25 --json out/bench.json
+
+All methods of a workload are timed in one run, interleaved (each repetition
+runs every method once, starting from a different method each time, so that
+no method always follows the same neighbour), and summarised by medians: the
+machine may be shared and noisy, and only ratios measured side by side mean
+much. Each timed call is preceded, outside the timed region, by writing fresh
+values into the gradients, then a barrier; the time of a repetition is the
+maximum over the ranks. Every method's result is checked once against the
+exact expected mean.
+
+Methods (bytes are the bytes of the gradients as the caller holds them):
+
+``limit``
+    ``Allreduce(MPI.IN_PLACE, buf)`` over one preallocated contiguous float32
+    buffer of the same bytes, in chunks of 256 KiB, 1, 4, 16 MiB or whole; the
+    fastest chunk size (by median) is the limit, and is reported.
+``per-tensor``
+    One in-place Allreduce per gradient, each followed by a multiplication by
+    ``1 / size``.
+``reducer``
+    :class:`DistributedGradReducer` on separately allocated arrays.
+``reducer-novalidate``
+    The same with ``validate="never"``: the difference is the cost of the
+    cross-rank validation (printed as ``< noise`` when it comes out negative).
+``reducer-views``
+    The reducer on the arrays of ``reducer.allocate_grads()`` (no copies).
+``reducer-torch``
+    Where torch imports on every rank: the same gradients as torch CPU tensors
+    (``torch.from_numpy`` over the numpy arrays) handed straight to a reducer
+    built from them; ``reducer-torch / reducer`` is the cost of taking torch
+    tensors. Reported as not supported, on every rank alike, while the
+    reducer refuses torch tensors.
+``torch-gloo``
+    When torch is importable: ``torch.distributed`` with the gloo backend
+    doing what DDP does: buckets in reverse parameter order, per dtype, of
+    1 MiB for the first and 25 MiB after that; each bucket is copied into a
+    flat buffer, all-reduced, divided by the world size and copied back.
+
+For the ``small`` workload (the digits MLP, 38 KB) the reducer is also given
+as a ratio to ONE raw Allreduce of all its bytes, with ``validate="always"``
+over ``validate="never"``.
+
+``--sweep``, ``--overlap`` and ``--plot`` add the experiments of
+:mod:`mpi_gradreducer.bench.sweeps` and :mod:`mpi_gradreducer.bench.overlap`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+from .. import DistributedGradReducer
+from .cli import RankParser, add_shared_options, run_as_script, start
+from .counters import reducer_stats
+from .environment import environment, loadavg
+from .limit import best_limit, limit_cases
+from .output import KIB, MIB, bytes_label, noise_or, size_label, write_json
+from .overlap import bench_overlap, format_overlap
+from .sweeps import SWEEPS, allreduce_curve, format_sweeps, run_sweeps
+from .timing import Case, agree, all_close, expected_sum, fill_value, filler, keep_working, summary, time_cases
+from .torch_methods import Gloo, gloo_usable, torch_ingestion
+from .workloads import WORKLOADS, Workload, make_workload, many_small
+
+__all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "main"]
+
+#: What runs without ``--workload``.
+DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
+METHODS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-torch", "torch-gloo")
+#: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
+LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
+#: Name of the internal case that times the validation's tiny Allreduce.
+_TINY = "tiny-allreduce"
+#: The limit case that is one Allreduce of all the bytes.
+_WHOLE = "limit@whole"
+
+
+@dataclass
+class _Methods:
+    """The cases of one workload, and what is needed to report on them."""
+
+    cases: list[Case] = field(default_factory=list)
+    reducers: dict[str, DistributedGradReducer] = field(default_factory=dict)
+    limit_sizes: dict[str, int] = field(default_factory=dict)
+    messages: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def free(self) -> None:
+        """Free every reducer built."""
+        for r in self.reducers.values():
+            r.free()
+
+
+def _per_tensor(comm: MPI.Comm, grads: Sequence[np.ndarray]) -> None:
+    scale = 1.0 / comm.Get_size()
+    for g in grads:
+        comm.Allreduce(MPI.IN_PLACE, g)
+        np.multiply(g, scale, out=g)
+
+
+def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
+    """The numpy reducer methods, and the tiny Allreduce that validation adds."""
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    for name, kwargs in (("reducer", {}), ("reducer-novalidate", {"validate": "never"})):
+        if name in methods:
+            r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
+            m.cases.append(Case(name, filler(grads, value), lambda r=r: r(grads), lambda: all_close(grads, mean)))
+    if "reducer-views" in methods:
+        r = m.reducers["reducer-views"] = DistributedGradReducer(grads, group=comm)
+        views = r.allocate_grads()
+        m.cases.append(Case("reducer-views", filler(views, value), lambda r=r, v=views: r(v),
+                            lambda v=views: all_close(v, mean)))
+    if "reducer" in m.reducers and "reducer-novalidate" in m.reducers:
+        # what the agreement of validate="always" sends: one tiny Allreduce
+        flag = np.zeros(1, dtype=np.int64)
+        m.cases.append(Case(_TINY, lambda: flag.fill(0), lambda: comm.Allreduce(MPI.IN_PLACE, flag),
+                            lambda: bool(flag[0] == 0)))
+
+
+def _add_torch_reducer(comm: MPI.Intracomm, grads: list[np.ndarray], unsupported: str | None, m: _Methods) -> None:
+    """``reducer-torch``: torch tensors over ``grads``' memory, fed to a reducer built from them."""
+    if unsupported is not None:
+        m.skipped["reducer-torch"] = unsupported
+        return
+    import torch
+
+    tensors = [torch.from_numpy(g) for g in grads]
+    holder: dict[str, DistributedGradReducer] = {}
+    why = agree(comm, lambda: holder.setdefault("r", DistributedGradReducer(tensors, group=comm)))
+    if why is not None:
+        m.skipped["reducer-torch"] = f"not supported by this reducer (construction: {why})"
+        return
+    r = m.reducers["reducer-torch"] = holder["r"]
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    case = Case("reducer-torch", filler(grads, value), lambda: r(tensors), lambda: all_close(grads, mean))
+    kept, failed = keep_working(comm, [case])
+    m.cases.extend(kept)
+    if failed:
+        m.skipped["reducer-torch"] = f"not supported by this reducer (call: {failed['reducer-torch']})"
+
+
+def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray], methods: Sequence[str],
+                      gloo: Gloo | None, torch_unsupported: str | None) -> _Methods:
+    """Every requested case of one workload; reducers are built here (collective)."""
+    m = _Methods()
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    try:
+        if "limit" in methods:
+            cases, m.limit_sizes = limit_cases(comm, wl.nbytes, LIMIT_CHUNKS)
+            m.cases.extend(cases)
+        if "per-tensor" in methods:
+            m.messages["per-tensor"] = wl.count
+            m.cases.append(Case("per-tensor", filler(grads, value), lambda: _per_tensor(comm, grads),
+                                lambda: all_close(grads, mean)))
+        _add_reducers(comm, grads, methods, m)
+        if "reducer-torch" in methods:
+            _add_torch_reducer(comm, grads, torch_unsupported, m)
+        if "torch-gloo" in methods and gloo is not None:
+            run, m.messages["torch-gloo"] = gloo.ddp_like(grads)
+            m.cases.append(Case("torch-gloo", filler(grads, value), run, lambda: all_close(grads, mean)))
+    except BaseException:
+        m.free()
+        raise
+    for name, r in m.reducers.items():
+        m.messages[name] = len(r.buckets)
+    return m
+
+
+def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gloo: Gloo | None,
+                   torch_unsupported: str | None, reps: int, warmup: int) -> dict[str, Any]:
+    """Time the ``methods`` on one workload, interleaved (collective).
+
+    Args:
+        comm: the communicator.
+        wl: the workload.
+        methods: names from :data:`METHODS`.
+        gloo: the gloo group for ``torch-gloo``, or None to leave it out.
+        torch_unsupported: why ``reducer-torch`` cannot run (the same on every
+            rank), or None to try it.
+        reps: timed repetitions.
+        warmup: untimed repetitions first.
+
+    Returns:
+        The workload's facts, ``messages``, ``reducer_stats``, ``skipped``,
+        ``methods`` (summaries, with ``ratio_to_limit``) and the derived figures.
+    """
+    grads = wl.arrays()
+    m = _workload_methods(comm, wl, grads, methods, gloo, torch_unsupported)
+    try:
+        times = time_cases(comm, m.cases, reps, warmup)
+        stats = {name: reducer_stats(r) for name, r in m.reducers.items() if name in times}
+    finally:
+        m.free()
+    size = comm.Get_size()
+    results = {name: summary(t, wl.nbytes, size) for name, t in times.items() if name != _TINY}
+    out: dict[str, Any] = {**wl.facts(size), "messages": m.messages, "reducer_stats": stats,
+                           "skipped": {name: m.skipped[name] for name in METHODS if name in m.skipped}}
+    out["methods"] = _method_summaries(wl, results, m, out)
+    out.update(_ratios(times, results))
+    if "reducer" in times and "reducer-novalidate" in times:
+        out.update(_validation_cost(comm, wl, times, reps, warmup))
+    return out
+
+
+def _method_summaries(wl: Workload, results: dict[str, dict[str, Any]], m: _Methods,
+                      out: dict[str, Any]) -> dict[str, Any]:
+    """Each method's summary, the limit being its fastest chunk size; records the limit's facts in ``out``."""
+    methods_out: dict[str, Any] = {}
+    if m.limit_sizes:
+        sizes = m.limit_sizes
+        best = best_limit(results, sizes)
+        out["limit_by_chunk"] = {name: dict(results[name], chunk_bytes=sizes[name]) for name in sizes}
+        out["limit_chunk"] = size_label(sizes[best])
+        out["limit_chunk_bytes"] = sizes[best] or wl.nbytes
+        m.messages["limit"] = -(-wl.nbytes // out["limit_chunk_bytes"])
+        methods_out["limit"] = dict(results[best], chunk=out["limit_chunk"])
+    for name in METHODS:
+        if name != "limit" and name in results:
+            methods_out[name] = results[name]
+    if "limit" in methods_out:
+        limit_ms = methods_out["limit"]["median_ms"]
+        for res in methods_out.values():
+            res["ratio_to_limit"] = res["median_ms"] / limit_ms
+    return methods_out
+
+
+def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Ratios of medians between pairs of methods that were both timed."""
+    pairs = {"torch_over_reducer": ("reducer-torch", "reducer"),
+             "reducer_over_one_allreduce": ("reducer", _WHOLE),
+             "always_over_never": ("reducer", "reducer-novalidate")}
+    return {key: results[a]["median_ms"] / results[b]["median_ms"]
+            for key, (a, b) in pairs.items() if a in times and b in times}
+
+
+def _validation_cost(comm: MPI.Intracomm, wl: Workload, times: dict[str, list[float]], reps: int,
+                     warmup: int) -> dict[str, float]:
+    """The cost of ``validate="always"``: paired differences, and an estimate from its parts."""
+    with_v, without = np.array(times["reducer"]), np.array(times["reducer-novalidate"])
+    local = _local_validation_seconds(comm, wl, reps, warmup)
+    tiny = statistics.median(times[_TINY])
+    return {"validation_cost_percent": float(np.median(with_v - without) / np.median(with_v) * 100),
+            "validation_local_ms": local * 1e3,
+            "tiny_allreduce_ms": tiny * 1e3,
+            "validation_estimate_percent": float((local + tiny) / np.median(with_v) * 100)}
+
+
+def _local_validation_seconds(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> float:
+    """The local work that ``validate="always"`` adds, timed on ``MPI.COMM_SELF``.
+
+    Both modes check shapes, dtypes, devices and flags locally; "always"
+    adds the check that no two gradients overlap, and the agreement, which on
+    one process sends nothing. This is local CPU work, which noise can only
+    slow down, so the difference of the two minimum times estimates it (15
+    repetitions at least); the agreement's one tiny Allreduce is timed
+    separately, in the interleaved run. Returns the median over the ranks.
+    """
+    grads = wl.arrays()
+    fill = filler(grads, fill_value(comm))
+    always = DistributedGradReducer(grads, group=MPI.COMM_SELF, timeout=None)
+    never = DistributedGradReducer(grads, group=MPI.COMM_SELF, validate="never", timeout=None)
+    try:
+        cases = [Case("always", fill, lambda: always(grads)), Case("never", fill, lambda: never(grads))]
+        times = time_cases(MPI.COMM_SELF, cases, max(reps, 15), max(warmup, 1))
+    finally:
+        always.free()
+        never.free()
+    cost = max(0.0, min(times["always"]) - min(times["never"]))
+    return float(statistics.median(comm.allgather(cost)))
+
+
+# -- output -----------------------------------------------------------------------------
+
+
+def _method_line(method: str, m: dict[str, Any], res: dict[str, Any]) -> str:
+    ratio = f"{m['ratio_to_limit']:.2f}" if "ratio_to_limit" in m else "-"
+    notes = []
+    if method == "limit":
+        notes.append(f"chunk {m['chunk']}")
+    if method in res["messages"]:
+        notes.append(f"{res['messages'][method]} messages")
+    return (f"  {method:<20}{m['median_ms']:>11.2f}{m['min_ms']:>10.2f}{ratio:>9}{m['algbw_GBps']:>12.3f}"
+            f"{m['busbw_GBps']:>12.3f}  {', '.join(notes)}")
+
+
+def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
+    lines = []
+    if "torch_over_reducer" in res:
+        lines.append(f"  reducer-torch / reducer = {res['torch_over_reducer']:.2f} "
+                     f"(torch CPU tensors against numpy arrays, same memory)")
+    if name == "small" and "reducer_over_one_allreduce" in res:
+        lines.append(f"  reducer / one Allreduce of all {res['bytes']} bytes = {res['reducer_over_one_allreduce']:.2f}")
+    if name == "small" and "always_over_never" in res:
+        lines.append(f"  validate=\"always\" / validate=\"never\" = {res['always_over_never']:.2f}")
+    if "validation_cost_percent" in res:
+        lines.append(f"  validation cost: {noise_or(res['validation_cost_percent'], '.1f', '%')} of reducer "
+                     f"(median of the paired differences with reducer-novalidate); from its parts: overlap check "
+                     f"{res['validation_local_ms']:.2f} ms + one tiny Allreduce {res['tiny_allreduce_ms']:.2f} ms "
+                     f"= {res['validation_estimate_percent']:.2f}%")
+    return lines
+
+
+def format_workload(name: str, res: dict[str, Any]) -> str:
+    """The table of one workload's results (what rank 0 prints)."""
+    lines = [
+        f"{name}: {res['tensors']} tensors, {bytes_label(res['bytes'])} ({'/'.join(res['dtypes'])}), "
+        f"{res['ranks']} ranks — {res['note']}",
+        f"  {'method':<20}{'median ms':>11}{'min ms':>10}{'x limit':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}  notes",
+    ]
+    lines.extend(_method_line(method, m, res) for method, m in res["methods"].items())
+    lines.extend(f"  {method:<20}skipped: {why}" for method, why in res.get("skipped", {}).items())
+    if "limit_by_chunk" in res:
+        chunks = ", ".join(f"{size_label(v['chunk_bytes'])} {v['median_ms']:.2f}"
+                           for v in res["limit_by_chunk"].values())
+        lines.append(f"  limit by chunk (ms): {chunks}")
+    lines.extend(_derived_lines(name, res))
+    return "\n".join(lines)
+
+
+# -- entry point ------------------------------------------------------------------------
+
+
+def _parser(rank: int = 0) -> argparse.ArgumentParser:
+    from . import describe_commands
+
+    p = RankParser(
+        prog="python -m mpi_gradreducer.bench",
+        description="Time DistributedGradReducer against raw MPI_Allreduce, a per-tensor loop and torch gloo. "
+                    "Run under mpiexec; only rank 0 prints.",
+        epilog=describe_commands(), formatter_class=argparse.RawDescriptionHelpFormatter, rank=rank,
+    )
+    p.add_argument("--workload", nargs="*", choices=list(WORKLOADS), default=None,
+                   help=f"workloads to run (default: {' '.join(DEFAULT_WORKLOADS)}; the option alone: none, "
+                        "e.g. to run only --sweep)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                   help="methods to time (default: all; reducer-torch and torch-gloo only where torch imports)")
+    add_shared_options(p, reps=7)
+    p.add_argument("--sweep", nargs="*", choices=SWEEPS, default=None,
+                   help="also run these experiments (no value: all): the reducer's bucket_bytes on resnet50 "
+                        "and many-small; the transport's chunk size; packing a tensor or reducing it alone")
+    p.add_argument("--overlap", nargs=3, type=int, metavar=("LAYERS", "WIDTH", "BATCH"), default=None,
+                   help="also time a step of backward compute + reduction, sequential and overlapped "
+                        "(begin/ready/wait), e.g. --overlap 8 1024 32 (run with OPENBLAS_NUM_THREADS=1)")
+    p.add_argument("--json", metavar="PATH", help="write all results and the environment to PATH")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of bus bandwidth against message size (times an Allreduce size sweep)")
+    return p
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "--plot needs matplotlib (pip install matplotlib)"
+    return None
+
+
+def _run_workloads(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[[str], None],
+                   results: dict[str, Any]) -> None:
+    names = list(DEFAULT_WORKLOADS) if args.workload is None else args.workload
+    torch_unsupported = torch_ingestion(comm) if "reducer-torch" in args.methods and names else None
+    gloo = None
+    if "torch-gloo" in args.methods and names:
+        if gloo_usable(comm):
+            gloo = Gloo(comm)
+        else:
+            say("torch-gloo: skipped (torch with gloo is not importable on every rank)")
+    results["torch_gloo"] = gloo is not None
+    try:
+        for name in names:
+            wl = make_workload(name, args.scale, args.small_count, args.small_size)
+            res = bench_workload(comm, wl, args.methods, gloo, torch_unsupported, args.reps, args.warmup)
+            results["workloads"][name] = res
+            say(format_workload(name, res) + "\n")
+    finally:
+        if gloo is not None:
+            gloo.close()
+
+
+def _run_extras(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[[str], None],
+                results: dict[str, Any]) -> None:
+    if args.sweep is not None:
+        many = many_small(args.small_count, args.small_size)
+        results["sweeps"] = run_sweeps(comm, args.sweep, many, args.reps, args.warmup)
+        say(format_sweeps(results["sweeps"]) + "\n")
+    if args.overlap is not None:
+        results["overlap"] = bench_overlap(comm, *args.overlap, args.reps, args.warmup)
+        say(format_overlap(results["overlap"]) + "\n")
+    if args.plot:
+        results["allreduce_curve"] = allreduce_curve(comm, args.reps, args.warmup)
+
+
+def _write_outputs(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[[str], None],
+                   results: dict[str, Any]) -> None:
+    """Rank 0 writes the files; a failure there raises on every rank (collective)."""
+    failure = None
+    if comm.Get_rank() == 0:
+        try:
+            if args.json:
+                write_json(args.json, results)
+            if args.plot:
+                from .plot import plot
+
+                plot(args.plot, results)
+        except Exception as exc:  # tell the other ranks instead of leaving them waiting
+            failure = f"could not write the results: {exc!r}"
+        else:
+            for path in (args.json, args.plot):
+                if path:
+                    say(f"wrote {path}")
+    failure = comm.bcast(failure, root=0)
+    if failure is not None:
+        raise RuntimeError(failure)
+
+
+def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -> dict[str, Any]:
+    """Run the benchmark; rank 0 prints the tables and writes the files.
+
+    Args:
+        argv: command-line arguments (default ``sys.argv[1:]``).
+        comm: the communicator to run over (default ``MPI.COMM_WORLD``).
+
+    Returns:
+        All results (what ``--json`` writes); the timings are the same on every rank.
+
+    Raises:
+        SystemExit: on every rank alike, for ``--help`` and bad options.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args, comm, say = start(_parser, argv, comm, _check)
+    try:
+        results: dict[str, Any] = {"environment": environment(comm, "mpi_gradreducer.bench", argv),
+                                   "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                                   "workloads": {}}
+        _run_workloads(comm, args, say, results)
+        _run_extras(comm, args, say, results)
+        results["environment"]["loadavg_at_end"] = loadavg()
+        _write_outputs(comm, args, say, results)
+        return results
+    finally:
+        comm.Free()
+
+
+if __name__ == "__main__":
+    run_as_script(main, "bench")

@@ -1,0 +1,97 @@
+"""The benchmarks' command line under MPI: one rank prints, every rank exits alike; the subcommands."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import WORLD
+from mpi_gradreducer import bench
+from mpi_gradreducer.bench import cli, compression, gpu, host
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _exit_code(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(argv, comm=WORLD)
+    return exc.value.code
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv", [["--help"], ["gpu", "--help"], ["compression", "--help"]])
+def test_help_prints_on_rank_0_only_and_every_rank_exits_0(capsys, argv):
+    code = _exit_code(argv)
+    out, err = capsys.readouterr()
+    assert code == 0
+    if WORLD.Get_rank() == 0:
+        assert out.startswith("usage: python -m mpi_gradreducer.bench") and err == ""
+    else:
+        assert (out, err) == ("", "")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv", [["--reps", "0"], ["--scale", "0"], ["--workload", "resnet18"],
+                                  ["gpu", "--reps", "0"], ["compression", "--modes", "zip"]])
+def test_bad_options_are_one_error_on_rank_0_and_status_2_everywhere(capsys, argv):
+    code = _exit_code(argv)
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    if WORLD.Get_rank() == 0:
+        assert err.count("error:") == 1
+    else:
+        assert err == ""
+
+
+@pytest.mark.mpi
+def test_ranks_that_parse_differently_still_exit_alike():
+    last = WORLD.Get_size() - 1
+    argv = ["--reps", "0"] if WORLD.Get_rank() == last else ["--reps", "3"]
+    with pytest.raises(SystemExit) as exc:
+        cli.parse(host._parser(WORLD.Get_rank()), argv, WORLD, cli.check_shared)
+    assert exc.value.code == 2
+    args = cli.parse(host._parser(WORLD.Get_rank()), ["--reps", "3"], WORLD, cli.check_shared)
+    assert args.reps == 3
+
+
+def test_registry_names_importable_benchmarks():
+    assert list(bench.COMMANDS) == ["host", "gpu", "compression"] and bench.DEFAULT_COMMAND == "host"
+    for name, (module, about) in bench.COMMANDS.items():
+        assert callable(importlib.import_module(f"mpi_gradreducer.bench.{module}").main), name
+        assert name in bench.describe_commands() and about in bench.describe_commands()
+    assert bench._command(["gpu", "--reps", "2"]) == ("gpu", ["--reps", "2"])
+    assert bench._command(["--scale", "0.5"]) == ("host", ["--scale", "0.5"])
+    assert bench._command([]) == ("host", [])
+
+
+def test_the_old_gpu_entry_point_is_the_gpu_benchmark():
+    from mpi_gradreducer import bench_gpu
+
+    assert bench_gpu.main is gpu.main and bench_gpu.METHODS == gpu.METHODS
+    assert compression.MODES[0] == "none"
+
+
+def _mpiexec() -> str | None:
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.is_file() else shutil.which("mpiexec")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec next to the Python executable or on PATH")
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own MPI job: run from a single process")
+@pytest.mark.parametrize("module, args, status, marker", [
+    ("mpi_gradreducer.bench", ["--help"], 0, "usage:"),
+    ("mpi_gradreducer.bench_gpu", ["--bogus"], 2, "error: unrecognized arguments: --bogus"),
+])
+def test_module_under_mpiexec_prints_once(module, args, status, marker):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == status, proc.stderr
+    assert (proc.stdout + proc.stderr).count(marker) == 1, proc.stdout + proc.stderr
