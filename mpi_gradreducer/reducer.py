@@ -300,7 +300,8 @@ class DistributedGradReducer:
         if grads is not None:
             aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
             checked = check_grads(grads, self._plan, aliasing)
-        call = open_call(self._calls + 1, grads, self._plan, checked, check_finite=self.check_finite,
+        self._calls += 1  # on every rank, whether or not the call then raises
+        call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous)
         call.settle = lambda summary: settle(call, self._comm, self.options, self._plan, summary)
         if self._ctx.carrier is None:  # the header travels alone
@@ -310,7 +311,6 @@ class DistributedGradReducer:
         elif grads is None or asynchronous or call.local.error is not None:
             self._ctx.first_message(call)  # the header with zeros: the same message as the others send
             call.head = "ahead" if call.info.asynchronous else "sent"
-        self._calls += 1
         self.nonfinite = False
         return call
 

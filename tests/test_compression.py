@@ -194,7 +194,7 @@ def test_allreduce_method_error_bound(comm, comp):
     assert_same_on_all_ranks(comm, [wire])
 
 
-def reduce_array(comm, grad, comp, prescale=1.0, postscale=1.0, chunk_bytes=1 << 20, *, method="alltoall"):
+def pack_sum_unpack(comm, grad, comp, prescale=1.0, postscale=1.0, chunk_bytes=1 << 20, *, method="alltoall"):
     """What the reducer's compressed path does to one gradient: pack, compressed sum, unpack."""
     wire = np.empty(grad.size, comp.wire_dtype)
     pack(grad, wire, prescale)
@@ -205,7 +205,7 @@ def reduce_array(comm, grad, comp, prescale=1.0, postscale=1.0, chunk_bytes=1 <<
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("mean", [True, False])
 @pytest.mark.parametrize("src_dtype", [np.float32, np.float64])
-def test_reduce_array_against_float64(comm, comp, method, mean, src_dtype):
+def test_compressed_reduction_against_float64(comm, comp, method, mean, src_dtype):
     size, rank = comm.Get_size(), comm.Get_rank()
     degree = 3
     everyone = _inputs(comm, 20001, seed=11, dtype=src_dtype)
@@ -214,7 +214,7 @@ def test_reduce_array_against_float64(comm, comp, method, mean, src_dtype):
     pre, post = comp.scales(size, degree, mean)
     for chunk_bytes in (1 << 20, 3000):  # twice: catches lazy-initialisation bugs
         grad = everyone[rank].copy()
-        reduce_array(comm, grad, comp, pre, post, chunk_bytes, method=method)
+        pack_sum_unpack(comm, grad, comp, pre, post, chunk_bytes, method=method)
         assert grad.dtype == src_dtype
         # Each input rounds once; the sum rounds once (alltoall) or per tree level (allreduce).
         roundings = 2 if method == "alltoall" else size + 1
@@ -232,11 +232,11 @@ def test_predivision_prevents_overflow(comm, method):
     exact = np.where(np.arange(1000) % 2 == 0, 40000.0 * size, -40000.0 * size + size * (size - 1) / 2)
     grad = x.copy()
     pre, post = comp.scales(size, size, mean=False)  # default predivide: the number of ranks
-    reduce_array(comm, grad, comp, pre, post, method=method)
+    pack_sum_unpack(comm, grad, comp, pre, post, method=method)
     assert np.all(np.isfinite(grad))
     np.testing.assert_allclose(grad, exact, rtol=size * UNIT["fp16"])
     naive = x.copy()
-    reduce_array(comm, naive, comp, *comp.scales(size, size, mean=False, predivide=1.0), method=method)
+    pack_sum_unpack(comm, naive, comp, *comp.scales(size, size, mean=False, predivide=1.0), method=method)
     if size >= 2:
         assert np.all(np.isinf(naive))
     comp.free()
@@ -248,7 +248,7 @@ def test_nonfinite_values_propagate(comm, comp, method):
     grad = np.ones(10, np.float32)
     if rank == 0:
         grad[0], grad[1], grad[2] = np.nan, np.inf, -np.inf
-    reduce_array(comm, grad, comp, method=method)
+    pack_sum_unpack(comm, grad, comp, method=method)
     assert np.isnan(grad[0]) and np.isposinf(grad[1]) and np.isneginf(grad[2])
     np.testing.assert_array_equal(grad[3:], comm.Get_size())
 

@@ -11,9 +11,10 @@ about 25.6 M parameters). Each repetition runs every mode once, in a rotating
 order (:func:`~mpi_gradreducer.bench.timing.time_cases`); a mode's time is the
 slowest rank's, and the table shows medians and the speed-up over the
 uncompressed mean (``none``: Allreduce in place in chunks, each chunk scaled
-by 1/size right after). Compressed modes cast into a one-chunk 16-bit wire
-buffer, sum, and cast back with the mean applied
-(:func:`mpi_gradreducer.compression.reduce_array`). ``cast`` rows time the
+by 1/size right after). Compressed modes do what the reducer's compressed
+path does: cast into a 16-bit wire buffer, sum it chunk by chunk
+(:func:`mpi_gradreducer.compression.compressed_allreduce`), and cast back
+with the mean applied. ``cast`` rows time the
 pack and unpack alone, without communication. Errors are against the mean
 computed in float64 from the same float32 inputs, and the ranks' results are
 checked to be bitwise identical.
@@ -31,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import transport
-from ..compression import Compression, get_compression, pack, reduce_array, unpack
+from ..compression import Compression, compressed_allreduce, get_compression, pack, unpack
 from .cli import RankParser, parse, run_as_script
 from .output import write_json
 from .timing import Case, time_cases
@@ -85,7 +86,14 @@ def _runner(mode: str, comm: MPI.Comm, grad: np.ndarray, comps: dict[str, Compre
 
         return cast_only
     method = method or "alltoall"
-    return lambda: reduce_array(comm, grad, comp, pre, post, chunk_bytes, method=method)
+    wire = np.empty(grad.shape[0], dtype=comp.wire_dtype)
+
+    def compressed() -> None:
+        pack(grad, wire, pre)
+        compressed_allreduce(comm, wire, comp, chunk_bytes, method=method)
+        unpack(wire, grad, post)
+
+    return compressed
 
 
 class _Errors:

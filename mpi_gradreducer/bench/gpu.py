@@ -34,7 +34,7 @@ Methods:
     The same on the arrays of ``reducer.allocate_grads()`` (no packing).
 ``reducer-cuda-aware``
     ``cuda_aware=True``, only when the MPI library says it is CUDA-aware on
-    every rank (``transport.cuda_support()``).
+    every rank (``config.cuda_aware_default()``).
 
 Every method is first run once on its own; one that raises or gives a wrong
 result on any rank is reported as skipped, with the first rank's reason, and
@@ -62,7 +62,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-from .. import DistributedGradReducer, transport
+from .. import DistributedGradReducer, config
 from ..groups import select_device
 from .cli import RankParser, add_shared_options, run_as_script, start
 from .counters import launches, reducer_stats
@@ -199,7 +199,7 @@ def _naive(comm: MPI.Intracomm, grads: Sequence[Any]) -> None:
 def _cuda_aware(comm: MPI.Intracomm) -> tuple[bool, str]:
     """Whether MPI takes device buffers on every rank (collective), and why not."""
     try:
-        answer, source = transport.cuda_support()
+        answer, source = config.cuda_aware_default()
     except ValueError as exc:  # a malformed override
         answer, source = None, str(exc)
     ok = comm.allreduce(int(answer is True), op=MPI.MIN)
