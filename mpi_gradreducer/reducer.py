@@ -19,7 +19,7 @@ from .staging import StagingPipeline
 from .steps import CommThread, ReductionStep
 from .timeline import Timeline
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
-from .watchdog import Watchdog
+from .watchdog import Watchdog, resolve_stall_warning
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
 
@@ -100,6 +100,11 @@ class DistributedGradReducer:
         timeout: seconds a collective may take before the watchdog prints a
             diagnostic and aborts the job; None disables it. Default: the
             ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
+        stall_warning: seconds a collective may wait before every waiting
+            rank prints the ranks that have not arrived (``missing ranks: 2``)
+            and what they are doing, and goes on waiting; None disables it.
+            Default: the ``MPI_GRADREDUCER_STALL_WARNING`` environment
+            variable (seconds or ``none``), else 60.
         check_finite: find out on each call whether any rank's gradients held
             NaN or Inf; the answer is :attr:`nonfinite`.
         cuda_aware: for cupy arrays, hand device buffers straight to MPI
@@ -145,6 +150,7 @@ class DistributedGradReducer:
         predivide: Optional[float] = None,
         coalesce: bool = False,
         progress: str = "auto",
+        stall_warning: Union[float, None, str] = "env",
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -157,6 +163,7 @@ class DistributedGradReducer:
                 self._configure(parameters, mean, degree, fusion_type, fusion, split_indices, bucket_bytes,
                                 skip, validate, timeout, check_finite, cuda_aware, compression, predivide,
                                 progress)
+                self._stall_warning = resolve_stall_warning(stall_warning)
             except (ValueError, TypeError) as exc:
                 error = exc
             agreement.raise_if_any(self._comm, error)
@@ -180,8 +187,7 @@ class DistributedGradReducer:
         self._sparse: tuple[int, ...] = ()  # positions of RowSparse gradients in the current call
         path = timeline if timeline is not None else os.environ.get(TIMELINE_ENV)
         self._timeline = Timeline(self._comm, path) if path else None
-        if self._timeout is not None:
-            self._watchdog = Watchdog(self._timeout, self._abort, self._comm.Get_rank())
+        self._watchdog = Watchdog(self._comm, self._timeout, self._stall_warning)
 
     # -- construction -----------------------------------------------------------------
 
@@ -536,7 +542,7 @@ class DistributedGradReducer:
             error = TypeError(f"grads: could not be checked ({exc!r})")
         if agree:
             layout = zlib.crc32(np.asarray(self._sparse, dtype=np.int64).tobytes())
-            self._collective(lambda: "the validation of the gradients",
+            self._collective(lambda: "the validation of the gradients", self._calls + 1,
                              agreement.raise_if_any, self._comm, error, (layout,))
         elif error is not None:
             raise error
@@ -676,8 +682,8 @@ class DistributedGradReducer:
             pre, post = self._wire_scales
             f.pack(members, pre, skip)
             t1 = time.perf_counter()
-            self._collective(self._describe_bucket(k), wire.compressed_allreduce, self._comm, f.buffer,
-                             self._compression, after=self._finite_check(k))
+            self._collective(self._describe_bucket(k), self._calls, wire.compressed_allreduce, self._comm,
+                             f.buffer, self._compression, after=self._finite_check(k))
             t2 = time.perf_counter()
             f.unpack(members, post, skip)
         else:
@@ -690,11 +696,11 @@ class DistributedGradReducer:
         self._count((k,), t0, t1, t2, t3)
 
     def _allreduce(self, k: int, buf: Any, scale: float) -> None:
-        self.stats.messages += self._collective(self._describe_bucket(k), transport.allreduce, self._comm,
-                                                buf, scale, after=self._finite_check(k))
+        self.stats.messages += self._collective(self._describe_bucket(k), self._calls, transport.allreduce,
+                                                self._comm, buf, scale, after=self._finite_check(k))
 
     def _describe_bucket(self, k: int) -> Callable[[], str]:
-        return lambda: f"call {self._calls}, bucket {k} ({self._fusion[k].bucket.nbytes} bytes)"
+        return lambda: f"bucket {k} ({self._fusion[k].bucket.nbytes} bytes)"
 
     def _finite_check(self, k: int) -> Optional[Callable[[Any], None]]:
         """The per-chunk NaN/Inf test for bucket ``k``, when ``check_finite`` is on."""
@@ -708,7 +714,7 @@ class DistributedGradReducer:
         for i in self._sparse:
             t0 = time.perf_counter()
             result = self._collective(
-                lambda i=i: f"call {self._calls}, RowSparse grads[{i}]", allgather_rowsparse,
+                lambda i=i: f"RowSparse grads[{i}]", self._calls, allgather_rowsparse,
                 self._comm, grads[i], self._scale, self.coalesce,
             )
             if self.check_finite and result.values.size:
@@ -725,18 +731,16 @@ class DistributedGradReducer:
         if not (-limit <= float(real.min()) and float(real.max()) <= limit):
             self.nonfinite = True
 
-    def _collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _collective(self, what: Callable[[], str], call: int, fn: Callable[..., Any], *args: Any,
+                    **kwargs: Any) -> Any:
         wd = self._watchdog
         if wd is None:
             return fn(*args, **kwargs)
-        wd.arm(what)
+        wd.arm(what, call)
         try:
             return fn(*args, **kwargs)
         finally:
             wd.disarm()
-
-    def _abort(self) -> None:
-        self._comm.Abort(1)
 
 
 def _mismatch(i: int, g: Any, spec: planning.ParamSpec) -> Optional[Exception]:
