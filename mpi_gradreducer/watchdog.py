@@ -218,11 +218,17 @@ class _Guard:
             if not (self.inspector.answered() or time.monotonic() >= inquiry[2]
                     or not self.inspector.available):
                 continue
-            final = inquiry[1] or (self.timeout is not None and waited >= self.timeout)
+            warning = not inquiry[1]
             inquiry, warned = None, armed
-            self._diagnose(armed, waited, final)
+            self._diagnose(armed, waited, warning)
 
-    def _diagnose(self, armed: tuple[float, Callable[[], str], int], waited: float, final: bool) -> None:
+    def _diagnose(self, armed: tuple[float, Callable[[], str], int], waited: float, warning: bool) -> None:
+        """Print the warning (when ``warning``) and, past the timeout, the final diagnosis, and abort.
+
+        When the replies to a warning's inquiry come in after the timeout (a
+        rank that does not answer costs the whole reply window), the same
+        replies serve for the final diagnosis, which follows at once.
+        """
         _, what, call = armed
         mine = Report(call, _describe(what, call), waited)
         inspector = self.inspector
@@ -232,15 +238,14 @@ class _Guard:
             found = missing_ranks(inspector.size, inspector.rank, mine, inspector.replies())
             missing = ("missing ranks: " + ", ".join(map(str, found)) + " [" + "; ".join(found.values()) + "]"
                        if found else "missing ranks: none (every rank waits in this collective)")
-        if final:
-            _say(f"mpi_gradreducer: rank {self.rank}: {mine.waiting} has not completed after {waited:.1f} s "
-                 f"(timeout={self.timeout:g} s); {missing}. Aborting the job.")
-            if self.armed is armed:  # not finished in the meantime
-                abort_job(1)
-        else:
+        if warning:
             limit = "" if self.timeout is None else f" until timeout={self.timeout:g} s"
             _say(f"mpi_gradreducer: rank {self.rank}: {mine.waiting} has waited {waited:.1f} s "
                  f"(stall_warning={self.stall_warning:g} s); {missing}; still waiting{limit}.")
+        if self.timeout is not None and waited >= self.timeout and self.armed is armed:
+            _say(f"mpi_gradreducer: rank {self.rank}: {mine.waiting} has not completed after {waited:.1f} s "
+                 f"(timeout={self.timeout:g} s); {missing}. Aborting the job.")
+            abort_job(1)
 
 
 def _describe(what: Callable[[], str], call: int) -> str:
