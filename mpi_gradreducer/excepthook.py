@@ -78,7 +78,7 @@ class UncaughtAbort:
             if self._count == 0:
                 if sys.excepthook is self:
                     sys.excepthook = self._previous if self._previous is not None else sys.__excepthook__
-                self._previous = None
+                # self._previous is kept: a hook installed over this one may still chain to it.
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         previous = self._previous if self._previous is not None else sys.__excepthook__
