@@ -15,7 +15,10 @@ from .dtypes import supported_dtypes
 from .groups import processor_names
 
 __all__ = [
+    "ABORT_ON_EXCEPTION_ENV",
     "CUDA_AWARE_ENV",
+    "DEFAULT_STALL_WARNING",
+    "STALL_WARNING_ENV",
     "DEFAULT_BUCKET_BYTES",
     "DEFAULT_TIMEOUT",
     "DIRECT_BYTES",
@@ -30,6 +33,7 @@ __all__ = [
     "positive",
     "resolve",
     "signature",
+    "stall_warning_default",
 ]
 
 #: Cap on a fused bucket. See docs/performance.rst for the measurement.
@@ -48,6 +52,11 @@ TIMEOUT_ENV = "MPI_GRADREDUCER_TIMEOUT"
 TIMELINE_ENV = "MPI_GRADREDUCER_TIMELINE"
 #: Overrides the detected CUDA-awareness of the MPI library ("0" or "1").
 CUDA_AWARE_ENV = "MPI_GRADREDUCER_CUDA_AWARE"
+#: Default ``stall_warning`` in seconds, unless the environment variable below says otherwise.
+DEFAULT_STALL_WARNING = 60.0
+STALL_WARNING_ENV = "MPI_GRADREDUCER_STALL_WARNING"
+#: Set to ``0`` to leave ``sys.excepthook`` alone while reducers exist.
+ABORT_ON_EXCEPTION_ENV = "MPI_GRADREDUCER_ABORT_ON_EXCEPTION"
 
 VALIDATE_MODES = ("always", "first", "never")
 PROGRESS_MODES = ("auto", "thread", "deferred")
@@ -66,7 +75,9 @@ class Options:
         skip: one flag per parameter: leave that gradient alone.
         bucket_bytes: the cap on a fused bucket; None for ``"auto"``.
         validate: ``"always"``, ``"first"`` or ``"never"``.
-        timeout: seconds before the watchdog aborts; None: no watchdog.
+        timeout: seconds before the watchdog aborts; None: never.
+        stall_warning: seconds before the waiting ranks name the missing ones; None: never.
+        abort_on_exception: an uncaught exception aborts the job while the reducer exists.
         check_finite: find NaN/Inf on every call.
         cuda_aware: hand device buffers straight to MPI.
         timeline: the trace file rank 0 writes at ``free()``, or None.
@@ -85,6 +96,8 @@ class Options:
     bucket_bytes: int | None
     validate: str
     timeout: float | None
+    stall_warning: float | None
+    abort_on_exception: bool
     check_finite: bool
     cuda_aware: bool
     timeline: str | None
@@ -158,6 +171,7 @@ def resolve(
     predivide: Any,
     coalesce: Any,
     progress: Any,
+    stall_warning: Any = "env",
 ) -> Options:
     """Check every argument of ``DistributedGradReducer`` and apply the defaults (local).
 
@@ -194,6 +208,9 @@ def resolve(
     if isinstance(timeout, str) and timeout == "env":
         timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT))
     timeout = positive("timeout", timeout, none=True, also=" or None")
+    if isinstance(stall_warning, str) and stall_warning == "env":
+        stall_warning = stall_warning_default()
+    stall_warning = positive("stall_warning", stall_warning, none=True, also=" or None")
     if progress not in PROGRESS_MODES:
         raise ValueError(f"progress: expected one of {PROGRESS_MODES}, got {progress!r}")
     if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
@@ -205,11 +222,32 @@ def resolve(
     return Options(
         mean=bool(mean), degree=degree, fixed_degree=fixed_degree, ids=tuple(ids), skip=tuple(bool(s) for s in skip),
         bucket_bytes=None if bucket_bytes == "auto" else bucket_bytes, validate=validate, timeout=timeout,
+        stall_warning=stall_warning, abort_on_exception=os.environ.get(ABORT_ON_EXCEPTION_ENV, "1").strip() != "0",
         check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
         timeline=timeline if timeline is not None else os.environ.get(TIMELINE_ENV),
         compression=compression, predivide=None if predivide is None else float(predivide),
         coalesce=bool(coalesce), progress=progress,
     )
+
+
+def stall_warning_default() -> float | None:
+    """``MPI_GRADREDUCER_STALL_WARNING`` (seconds, or ``none``), else 60.
+
+    Raises:
+        ValueError: the environment variable is neither a positive number nor ``none``.
+    """
+    text = os.environ.get(STALL_WARNING_ENV)
+    if text is None:
+        return DEFAULT_STALL_WARNING
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{STALL_WARNING_ENV}: expected a positive number of seconds or 'none', got {text!r}")
+    return value
 
 
 def decide_progress(comm: MPI.Intracomm, asked: str) -> str:

@@ -1,4 +1,4 @@
-"""What a reducer records about itself: counters, timeline spans, and the watchdog around collectives."""
+"""What a reducer records about itself and how it is watched: counters, timeline spans, the watchdog."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .config import Options
 from .timeline import Timeline
 from .watchdog import Watchdog
 
@@ -42,23 +43,27 @@ class ReducerStats:
 class Instrument:
     """A reducer's counters, its optional timeline and its optional watchdog.
 
+    Construction is collective (the watchdog's side channel).
+
     Args:
         comm: the reducer's communicator (the timeline gathers over it at :meth:`close`).
-        timeline: the trace file, or None.
-        timeout: the watchdog's timeout in seconds, or None for no watchdog.
+        options: the reducer's options (``timeline``, ``timeout``, ``stall_warning``,
+            ``abort_on_exception``).
     """
 
-    def __init__(self, comm: MPI.Intracomm, timeline: str | None, timeout: float | None) -> None:
+    def __init__(self, comm: MPI.Intracomm, options: Options) -> None:
         self.stats = ReducerStats()
-        self._timeline = Timeline(comm, timeline) if timeline else None
-        self._watchdog = Watchdog(timeout, lambda: comm.Abort(1), comm.Get_rank()) if timeout else None
+        self._timeline = Timeline(comm, options.timeline) if options.timeline else None
+        self._watchdog: Watchdog | None = Watchdog(comm, options.timeout, options.stall_warning,
+                                                   hook=options.abort_on_exception)
 
-    def collective(self, what: Callable[[], str], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` under the watchdog; ``what()`` describes it if it stalls."""
+    def collective(self, what: Callable[[], str], call: int, fn: Callable[..., Any], *args: Any,
+                   **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under the watchdog; ``what()`` describes it, as part of call ``call``."""
         wd = self._watchdog
         if wd is None:
             return fn(*args, **kwargs)
-        wd.arm(what)
+        wd.arm(what, call)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -84,7 +89,7 @@ class Instrument:
             self._timeline.record(name, start, end, **args)
 
     def close(self) -> None:
-        """Write the timeline (collective) and stop the watchdog."""
+        """Write the timeline (collective) and stop the watchdog (local)."""
         if self._timeline is not None:
             self._timeline.close()
             self._timeline = None

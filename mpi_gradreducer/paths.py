@@ -81,7 +81,7 @@ class Context:
         else:
             msg[lead:] = head
         if self.comm.Get_size() > 1:
-            self.instrument.collective(lambda: f"call {call.number}: the header with bucket 0",
+            self.instrument.collective(lambda: "the call header with bucket 0", call.number,
                                        self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
         self.instrument.stats.messages += 1
         assert call.settle is not None
@@ -114,11 +114,11 @@ class Context:
             return
         after = call.finite_check(self.plan.buffers[k].limit)
         self.instrument.stats.messages += self.instrument.collective(
-            self.describe(k, call), transport.allreduce, self.comm, buf, call.scale, after=after)
+            self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, after=after)
 
-    def describe(self, k: int, call: Call) -> Callable[[], str]:
+    def describe(self, k: int) -> Callable[[], str]:
         """What bucket ``k`` is, for the watchdog."""
-        return lambda: f"call {call.number}, bucket {k} ({self.plan.buffers[k].bucket.nbytes} bytes)"
+        return lambda: f"bucket {k} ({self.plan.buffers[k].bucket.nbytes} bytes)"
 
     def record(self, call: Call, ks: Sequence[int], t0: float, t1: float, t2: float, t3: float) -> None:
         """Count and trace the phases of buckets ``ks``."""
@@ -218,7 +218,7 @@ class CompressedPath(PackedPath):
         if call.void:
             return
         ctx.instrument.stats.messages += ctx.instrument.collective(
-            ctx.describe(k, call), wire.compressed_allreduce, ctx.comm, f.buffer, ctx.compression,
+            ctx.describe(k), call.number, wire.compressed_allreduce, ctx.comm, f.buffer, ctx.compression,
             after=call.finite_check(f.limit))
 
 
@@ -299,7 +299,7 @@ class SparsePath:
         for i in () if call.void else call.sparse:
             t0 = time.perf_counter()
             result = ctx.instrument.collective(
-                lambda i=i: f"call {call.number}, RowSparse grads[{i}]", allgather_rowsparse,
+                lambda i=i: f"RowSparse grads[{i}]", call.number, allgather_rowsparse,
                 ctx.comm, call.grads[i], call.scale, ctx.options.coalesce,
             )
             ctx.instrument.stats.messages += 3

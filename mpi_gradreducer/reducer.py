@@ -56,6 +56,11 @@ class DistributedGradReducer:
         timeout: seconds a collective may take before the watchdog prints a
             diagnostic and aborts the job; None disables it. Default: the
             ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
+        stall_warning: seconds a collective may wait before every waiting
+            rank prints the ranks that have not arrived (``missing ranks: 2``)
+            and what they are doing, and goes on waiting; None disables it.
+            Default: the ``MPI_GRADREDUCER_STALL_WARNING`` environment
+            variable (seconds or ``none``), else 60.
         check_finite: find out on each call whether any rank's gradients held
             NaN or Inf; the answer is :attr:`nonfinite`.
         cuda_aware: for cupy arrays, hand device buffers straight to MPI
@@ -108,6 +113,7 @@ class DistributedGradReducer:
         predivide: float | None = None,
         coalesce: bool = False,
         progress: str = "auto",
+        stall_warning: float | None | str = "env",
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -118,7 +124,7 @@ class DistributedGradReducer:
                 mean=mean, degree=degree, fusion_type=fusion_type, fusion=fusion, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, validate=validate, timeout=timeout,
                 check_finite=check_finite, cuda_aware=cuda_aware, timeline=timeline, compression=compression,
-                predivide=predivide, coalesce=coalesce, progress=progress))
+                predivide=predivide, coalesce=coalesce, progress=progress, stall_warning=stall_warning))
             self.progress = config.decide_progress(self._comm, self.options.progress)
         except BaseException:
             self._comm.Free()
@@ -126,7 +132,7 @@ class DistributedGradReducer:
         options = self.options
         self.mean, self.degree, self.validate = options.mean, options.degree, options.validate
         self.check_finite, self.cuda_aware, self.coalesce = options.check_finite, options.cuda_aware, options.coalesce
-        self._instrument = Instrument(self._comm, options.timeline, options.timeout)
+        self._instrument = Instrument(self._comm, options)
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
         self._tuner: BucketTuner | None = None
@@ -303,9 +309,11 @@ class DistributedGradReducer:
         self._calls += 1  # on every rank, whether or not the call then raises
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous)
-        call.settle = lambda summary: settle(call, self._comm, self.options, self._plan, summary)
+        call.settle = lambda summary: self._instrument.collective(
+            lambda: "the reading of the call header", call.number, settle, call, self._comm, self.options,
+            self._plan, summary)
         if self._ctx.carrier is None:  # the header travels alone
-            call.settle(self._instrument.collective(lambda: f"call {call.number}: the header",
+            call.settle(self._instrument.collective(lambda: "the call header", call.number,
                                                     control.exchange, self._comm, call.local))
             call.head = "ahead"
         elif grads is None or asynchronous or call.local.error is not None:

@@ -1,79 +1,233 @@
-"""A watchdog that ends the job when a collective does not finish in time."""
+"""A watchdog that names the ranks a collective waits for, and ends the job when it waits too long.
+
+One :class:`Watchdog` per reducer. The reducer arms it with a description of
+each collective and the call number, and disarms it afterwards: two attribute
+writes, nothing sent. A daemon thread looks at the armed collective a few
+times per second:
+
+- after ``stall_warning`` seconds it asks the other ranks, over the
+  :class:`~mpi_gradreducer.stall.StallInspector` side channel, what they are
+  doing, and prints one line naming the ranks that have not arrived
+  (``missing ranks: 2``), then goes on waiting;
+- after ``timeout`` seconds it asks again, prints the diagnosis and ends the
+  job with :func:`abort_job`.
+
+The thread also answers the other ranks' questions, so it runs for the whole
+life of the reducer, even with both limits disabled.
+
+While a watchdog over more than one rank exists, an uncaught exception ends
+the job too (:mod:`mpi_gradreducer.excepthook`).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+import weakref
+from typing import Callable, NoReturn
 
-__all__ = ["Watchdog"]
+from mpi4py import MPI
+
+from .excepthook import UNCAUGHT
+from .stall import Report, StallInspector, missing_ranks
+
+__all__ = ["Watchdog", "abort_job", "REPLY_WINDOW"]
+
+#: How long a waiting rank collects the other ranks' answers before it names the missing ones.
+REPLY_WINDOW = 3.0
+#: The longest pause between two looks of the watchdog thread (and so the
+#: longest delay before a rank answers a query).
+MAX_POLL = 0.25
+
+
+def abort_job(code: int = 1) -> NoReturn:
+    """End every process of the job, without a crash report; never returns.
+
+    Flushes ``sys.stdout`` and ``sys.stderr``, then calls ``MPI_Abort`` on
+    ``MPI.COMM_WORLD``, which asks the launcher to kill every rank. The MPI
+    library ends the calling process with ``exit()``, which would run C++
+    static destructors and ``atexit`` handlers (torch's, for instance) while
+    other threads are still inside MPI or those libraries: a segmentation
+    fault or heap corruption report in about half of the aborts. So before
+    the call, ``_exit`` is registered with ``on_exit`` (glibc): registered
+    last, it runs first and ends the process at once with the same status.
+
+    Args:
+        code: the exit status of the job.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a closed or broken stream must not stop the abort
+            pass
+    _exit_on_exit()
+    try:
+        MPI.COMM_WORLD.Abort(code)
+    finally:
+        os._exit(code)
+
+
+def _exit_on_exit() -> None:
+    """Make the process's ``exit()`` behave as ``_exit()`` (glibc's ``on_exit``; elsewhere nothing)."""
+    try:
+        libc = ctypes.CDLL(None)
+        on_exit, _exit = libc.on_exit, libc._exit
+    except (OSError, AttributeError):
+        return
+    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    on_exit(ctypes.cast(_exit, ctypes.c_void_p), None)
 
 
 class Watchdog:
-    """Aborts the job when a watched operation outlasts ``timeout`` seconds.
+    """Names the missing ranks of a slow collective, and aborts the job when it is too slow.
 
-    The owner calls :meth:`arm` before a collective and :meth:`disarm` after;
-    both are attribute writes, cheap enough for every bucket. A daemon thread,
-    started on the first :meth:`arm`, looks at the deadline a few times per
-    timeout. When it has passed, the thread prints a diagnostic to stderr and
-    calls ``abort`` (``comm.Abort``), which ends every rank of the job.
+    Construction is collective over ``comm`` (it duplicates it for the side
+    channel) and starts the watchdog thread; :meth:`close` is local.
 
     Args:
-        timeout: seconds an armed operation may take.
-        abort: ends the job; called from the watchdog thread.
-        rank: the rank named in the diagnostic.
+        comm: the reducer's communicator.
+        timeout: seconds an armed collective may take before the job is
+            aborted; None never aborts.
+        stall_warning: seconds after which the missing ranks are named, once
+            per collective; None never warns.
+        hook: while this watchdog lives, an uncaught exception aborts the job
+            (:mod:`mpi_gradreducer.excepthook`; only over more than one rank).
+        rank: the rank named in the messages (default: the rank in ``comm``).
     """
 
-    def __init__(self, timeout: float, abort: Callable[[], None], rank: int) -> None:
-        self.timeout = float(timeout)
-        self._abort = abort
-        self._rank = rank
-        self._since: Optional[float] = None
-        self._what: Callable[[], str] = str
-        self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+    def __init__(self, comm: MPI.Intracomm, timeout: float | None, stall_warning: float | None,
+                 hook: bool = True, rank: int | None = None) -> None:
+        self.timeout = None if timeout is None else float(timeout)
+        self.stall_warning = None if stall_warning is None else float(stall_warning)
+        inspector = StallInspector(comm)
+        self._guard = _Guard(inspector, self.timeout, self.stall_warning,
+                             inspector.rank if rank is None else rank)
+        hooked = hook and inspector.size > 1 and UNCAUGHT.acquire()
+        thread = threading.Thread(target=self._guard.run, name="mpi_gradreducer-watchdog", daemon=True)
+        thread.start()
+        # Also run at interpreter exit (before mpi4py finalizes MPI) and when the reducer is dropped unfreed.
+        self._finalizer = weakref.finalize(self, _stop, self._guard, thread, hooked)
 
-    def arm(self, what: Callable[[], str]) -> None:
-        """Start timing an operation.
+    def arm(self, what: Callable[[], str], call: int) -> None:
+        """Start timing a collective.
 
         Args:
-            what: returns a description of the operation (called only when
-                the watchdog fires).
+            what: describes the collective, e.g. ``"bucket 0 (4096 bytes)"``;
+                called only when a diagnostic or another rank asks.
+            call: the number of the reducer call it belongs to (from 1).
         """
-        self._what = what
-        self._since = time.monotonic()
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._watch, name="mpi_gradreducer-watchdog", daemon=True)
-            self._thread.start()
+        guard = self._guard
+        guard.call = call
+        guard.armed = (time.monotonic(), what, call)
 
     def disarm(self) -> None:
-        """Stop timing: the operation finished."""
-        self._since = None
+        """Stop timing: the collective finished."""
+        self._guard.armed = None
 
     def close(self) -> None:
-        """Stop the watchdog thread and wait for it."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        """Stop the thread and release the side channel; local and idempotent."""
+        self._finalizer()
 
-    def _watch(self) -> None:
-        poll = min(1.0, max(self.timeout / 8, 0.01))
-        while not self._stop.wait(poll):
-            since = self._since
-            if since is None:
+
+def _stop(guard: _Guard, thread: threading.Thread, hooked: bool) -> None:
+    guard.stop.set()
+    if thread is not threading.current_thread():
+        thread.join()
+    guard.inspector.close()
+    if hooked:
+        UNCAUGHT.release()
+
+
+class _Guard:
+    """The watchdog thread's state and loop (kept apart from :class:`Watchdog` so that it can be collected)."""
+
+    def __init__(self, inspector: StallInspector, timeout: float | None, stall_warning: float | None,
+                 rank: int) -> None:
+        self.inspector = inspector
+        self.timeout = timeout
+        self.stall_warning = stall_warning
+        self.rank = rank
+        #: (armed at, description, call) of the collective in progress, or None.
+        self.armed: tuple[float, Callable[[], str], int] | None = None
+        self.stop = threading.Event()
+        limits = [s for s in (timeout, stall_warning) if s is not None]
+        self.poll = min(MAX_POLL, max(min(limits, default=MAX_POLL) / 8, 0.01))
+        #: The number of the latest call armed.
+        self.call = 0
+
+    def report(self) -> Report:
+        """What this rank is doing now."""
+        armed = self.armed
+        if armed is None:
+            return Report(self.call, None, 0.0)
+        since, what, call = armed
+        return Report(call, _describe(what, call), time.monotonic() - since)
+
+    def run(self) -> None:
+        warned: object = None  # the arming already warned about
+        inquiry: tuple[object, bool, float] | None = None  # (arming, final, deadline)
+        while not self.stop.wait(self.poll):
+            self.inspector.serve(self.report())
+            armed = self.armed
+            if armed is None or (inquiry is not None and inquiry[0] is not armed):
+                inquiry = None  # the collective finished meanwhile
+                if armed is None:
+                    continue
+            waited = time.monotonic() - armed[0]
+            if inquiry is None:
+                final = self.timeout is not None and waited >= self.timeout
+                if final or (self.stall_warning is not None and waited >= self.stall_warning
+                             and warned is not armed):
+                    self.inspector.ask()
+                    inquiry = (armed, final, time.monotonic() + REPLY_WINDOW)
                 continue
-            waited = time.monotonic() - since
-            if waited > self.timeout and self._since is since:
-                sys.stderr.write(
-                    f"mpi_gradreducer: rank {self._rank}: {self._what()} has not completed after "
-                    f"{waited:.1f} s (timeout={self.timeout:g} s); another rank has probably stalled, "
-                    "died or skipped a call. Aborting the job.\n"
-                )
-                sys.stderr.flush()
-                try:
-                    self._abort()
-                finally:
-                    os._exit(1)
+            if not (self.inspector.answered() or time.monotonic() >= inquiry[2]
+                    or not self.inspector.available):
+                continue
+            warning = not inquiry[1]
+            inquiry, warned = None, armed
+            self._diagnose(armed, waited, warning)
+
+    def _diagnose(self, armed: tuple[float, Callable[[], str], int], waited: float, warning: bool) -> None:
+        """Print the warning (when ``warning``) and, past the timeout, the final diagnosis, and abort.
+
+        When the replies to a warning's inquiry come in after the timeout (a
+        rank that does not answer costs the whole reply window), the same
+        replies serve for the final diagnosis, which follows at once.
+        """
+        _, what, call = armed
+        mine = Report(call, _describe(what, call), waited)
+        inspector = self.inspector
+        if not inspector.available:
+            missing = f"missing ranks: unknown ({inspector.unavailable_reason})"
+        else:
+            found = missing_ranks(inspector.size, inspector.rank, mine, inspector.replies())
+            missing = ("missing ranks: " + ", ".join(map(str, found)) + " [" + "; ".join(found.values()) + "]"
+                       if found else "missing ranks: none (every rank waits in this collective)")
+        if warning:
+            limit = "" if self.timeout is None else f" until timeout={self.timeout:g} s"
+            _say(f"mpi_gradreducer: rank {self.rank}: {mine.waiting} has waited {waited:.1f} s "
+                 f"(stall_warning={self.stall_warning:g} s); {missing}; still waiting{limit}.")
+        if self.timeout is not None and waited >= self.timeout and self.armed is armed:
+            _say(f"mpi_gradreducer: rank {self.rank}: {mine.waiting} has not completed after {waited:.1f} s "
+                 f"(timeout={self.timeout:g} s); {missing}. Aborting the job.")
+            abort_job(1)
+
+
+def _describe(what: Callable[[], str], call: int) -> str:
+    try:
+        return f"call {call}, {what()}"
+    except Exception as exc:  # a description must never kill the watchdog
+        return f"call {call}, (undescribable collective: {exc!r})"
+
+
+def _say(line: str) -> None:
+    """Write one line to stderr with a single system call, so that ranks' lines never interleave."""
+    try:
+        sys.stderr.flush()
+    except Exception:
+        pass
+    os.write(2, (line + "\n").encode())
