@@ -186,7 +186,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
     return {"base": f"{base_count} x 1024 float32", "rows": rows}
 
 
-def allreduce_curve(comm: MPI.Intracomm, reps: int, warmup: int) -> List[dict[str, Any]]:
+def allreduce_curve(comm: MPI.Intracomm, reps: int, warmup: int) -> list[dict[str, Any]]:
     """Single in-place Allreduces of each of CURVE_SIZES.
 
     Sizes under 4 MiB are timed as up to 8 Allreduces per sample, each over
