@@ -57,8 +57,12 @@ def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI
 def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intracomm | None = None) -> Sequence[Any]:
     """Copy rank ``root``'s arrays into every rank's arrays, in place (collective).
 
+    Device (cupy) arrays travel through host memory, so that any MPI library
+    will do: each is copied to the host after the work queued on the current
+    stream, broadcast, and written back before this returns.
+
     Args:
-        arrays: host (numpy) arrays of the same shapes and dtypes on every rank.
+        arrays: numpy or cupy arrays of the same shapes and dtypes on every rank.
         root: the rank whose values everyone takes.
         group: the communicator; default ``MPI.COMM_WORLD``.
 
@@ -78,14 +82,19 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intrac
         for i, a in enumerate(arrays):
             if backend.device_of(a) is None:
                 raise TypeError(f"arrays[{i}]: expected an array, got {type(a).__name__}")
-            if not a.flags.writeable:
+            if not getattr(a.flags, "writeable", True):  # cupy arrays have no such flag: always writeable
                 raise ValueError(f"arrays[{i}] is read-only, but it is written in place")
-            rows.append((digest([a.dtype.str]), a.ndim, *a.shape))
+            rows.append((digest([np.dtype(a.dtype).str]), a.ndim, *a.shape))
     except (TypeError, ValueError) as exc:
         error = exc
     agreement.raise_if_any(comm, error, checks=(int(root),))
     agreement.check_same(comm, rows, lambda i, r: f"shape {tuple(r[2:])} (dtype code {r[0]})", lambda i: f"arrays[{i}]")
     for a in arrays:
+        if not backend.is_host(backend.device_of(a)):
+            host = backend.to_numpy(a)
+            comm.Bcast(host, root=root)
+            backend.copy_from_host(a, host)
+            continue
         flat = backend.flat_view(a)
         if flat is not None:
             comm.Bcast(flat, root=root)

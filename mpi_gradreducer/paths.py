@@ -31,7 +31,7 @@ from .fusion import FusionBuffer, FusionPlan, join_runs
 from .call import Call
 from .instrument import Instrument
 from .sparse import allgather_rowsparse
-from .staging import StagingPipeline
+from .staging import StagingPipeline, reduce_direct
 
 __all__ = ["HEAD_BYTES", "Context", "assign", "run"]
 
@@ -81,7 +81,7 @@ class Context:
         else:
             msg[lead:] = head
         if self.comm.Get_size() > 1:
-            self.instrument.collective(lambda: "the call header with bucket 0", call.number,
+            self.instrument.collective(self.describe(0), call.number,
                                        self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
         self.instrument.stats.messages += 1
         assert call.settle is not None
@@ -162,6 +162,16 @@ class PackedPath:
         """Factors applied when packing and when unpacking (the sum itself is scaled by ``call.scale``)."""
         return 1.0, 1.0
 
+    def before_launch(self) -> Any:
+        """On the training thread, when a batch is handed to the communication thread (nothing on the host)."""
+        return None
+
+    def after_wait(self) -> None:
+        """On the training thread, at the end of ``wait()`` (nothing on the host)."""
+
+    #: What ``before_launch`` returned for the batch being reduced (host paths: nothing).
+    launched: Any = None
+
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum (and scale) the packed buffer of bucket ``k`` across ranks."""
         self.ctx.allreduce(k, self.ctx.take_head(k, f.buffer, call), call)  # scaled chunk by chunk, in cache
@@ -225,6 +235,12 @@ class CompressedPath(PackedPath):
 class DevicePath:
     """The buckets of one GPU: straight to a CUDA-aware MPI, or through pinned host slots.
 
+    Work is queued on the caller's current stream for a blocking call; on a
+    communication thread it runs on the device's own work stream, after an
+    event recorded on the caller's stream at launch, and the caller's stream
+    waits for the last unpack at ``wait()``. Each bucket is packed just before
+    its download and unpacked right after its upload (see :mod:`staging`).
+
     Args:
         ctx: the shared context.
         device: the buckets' device, ``"cuda:N"``.
@@ -235,6 +251,9 @@ class DevicePath:
         self.device = device
         self._ops: Any = None
         self._pipeline: StagingPipeline | None = None
+        #: The event the next batch on the communication thread waits for (set by the thread, in order).
+        self.launched: Any = None
+        self._done: Any = None  # the last batch's done-event, for wait()
 
     @property
     def ops(self) -> Any:
@@ -244,47 +263,67 @@ class DevicePath:
             self._pipeline = StagingPipeline(self._ops)
         return self._ops
 
-    def before_launch(self) -> None:
-        """Make the caller's queued kernels finish before another thread reads the buffers."""
-        self.ops.ready_for_mpi()
+    def before_launch(self) -> Any:
+        """On the training thread, at launch: an event after the caller's queued kernels."""
+        with self.ops.device:
+            return self.ops.record()
+
+    def after_wait(self) -> None:
+        """On the training thread, in ``wait()``: order the caller's stream after the thread's unpacks."""
+        if self._done is not None:
+            with self.ops.device:
+                self.ops.wait_event(self._done)
+            self._done = None
 
     def reduce(self, ks: Sequence[int], call: Call) -> None:
         """Reduce buckets ``ks`` (consecutive, all on this device) of ``call``."""
+        if call.void:
+            return
         ops = self.ops
         with ops.device:  # kernels, copies and cupy temporaries on the buckets' device, on any thread
-            self._reduce(ks, call, ops)
+            if not call.on_thread:
+                ops.begin_call()
+                self._reduce(ks, call, ops)
+                ops.end_call()
+                return
+            with ops.own_stream():
+                if self.launched is not None:
+                    ops.wait_event(self.launched)
+                ops.begin_call()
+                self._reduce(ks, call, ops)
+                self._done = ops.end_call()
 
     def _reduce(self, ks: Sequence[int], call: Call, ops: Any) -> None:
         ctx = self.ctx
-        if call.void:
-            return
-        launches = 0
+        launches = [0]
         t0 = time.perf_counter()
-        buffers, packed = [], []
+        buffers, members = [], []
         for k in ks:
             f = ctx.plan.buffers[k]
-            members = call.members(f)
-            run = f.in_place(members)
-            if run is None:
-                launches += f.pack(members)
-                run = f.buffer
-                packed.append((f, members))
-            buffers.append(run)
-        t1 = time.perf_counter()
+            mine = call.members(f)
+            run = f.in_place(mine)
+            members.append(None if run is not None else mine)
+            buffers.append(run if run is not None else f.allocate())
+
+        def pack(pos: int) -> None:
+            if members[pos] is not None:
+                launches[0] += ctx.plan.buffers[ks[pos]].pack(members[pos])
+
+        def unpack(pos: int) -> None:
+            if members[pos] is not None:
+                launches[0] += ctx.plan.buffers[ks[pos]].unpack(members[pos])
+
+        def reduce(pos: int, buf: Any) -> None:
+            ctx.allreduce(ks[pos], buf, call)
+
         if ctx.options.cuda_aware:
-            ops.ready_for_mpi()
-            for k, buf in zip(ks, buffers):
-                ctx.allreduce(k, buf, call)
+            reduce_direct(ops, buffers, reduce, pack, unpack)
         else:
             assert self._pipeline is not None
-            self._pipeline.run(buffers, lambda pos, host: ctx.allreduce(ks[pos], host, call))
-        t2 = time.perf_counter()
-        for f, members in packed:
-            launches += f.unpack(members)
-        if call.on_thread:
-            ops.ready_for_mpi()  # results complete before wait() returns
-        ctx.instrument.stats.launches += launches
-        ctx.record(call, ks, t0, t1, t2, time.perf_counter())
+            self._pipeline.run(buffers, reduce, pack, unpack)
+        ctx.instrument.stats.launches += launches[0]
+        t1 = time.perf_counter()  # pack, MPI and unpack interleave: the whole counts as MPI time
+        ctx.record(call, ks, t0, t0, t1, t1)
 
 
 @dataclass

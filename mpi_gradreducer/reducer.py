@@ -348,13 +348,15 @@ class DistributedGradReducer:
         if self._thread is None:
             self._deferred.extend(batch)
             return
-        for path in {id(self._paths[k]): self._paths[k] for k in batch}.values():
-            getattr(path, "before_launch", lambda: None)()
-        self._thread.submit(lambda: self._run_batch(call, step, batch))
+        launched = [(path, path.before_launch()) for path in {id(self._paths[k]): self._paths[k] for k in batch}.values()]
+        self._thread.submit(lambda: self._run_batch(call, step, batch, launched))
 
-    def _run_batch(self, call: Call, step: ReductionStep, batch: list[int]) -> None:
+    def _run_batch(self, call: Call, step: ReductionStep, batch: list[int],
+                   launched: Sequence[tuple[Any, Any]] = ()) -> None:
         error: BaseException | None = None
         try:
+            for path, token in launched:
+                path.launched = token
             paths.run(self._paths, batch, call)
         except BaseException as exc:  # reported by wait()
             error = exc
@@ -380,6 +382,8 @@ class DistributedGradReducer:
                 batch, self._deferred = self._deferred, []
                 self._run_batch(call, step, batch)
             step.join()
+            for path in {id(p): p for p in self._paths}.values():
+                path.after_wait()
             if not counts.any():
                 self._sparse.reduce(call)
         finally:

@@ -7,6 +7,9 @@
 #   pytest, pytest-mpi and pytest's dependencies (iniconfig, pluggy, packaging, pygments)
 #   ml_dtypes          bfloat16 (0.5.x: works with numpy 1.26 as well as 2.x)
 #
+# .whl/ is ignored by git: copy it to the GPU machine along with the working
+# tree explicitly (see docs/gpu.rst, "Checking it on a GPU machine").
+#
 # Versions are pinned; any wheel already in the folder is removed first, so that
 # only these are installed there. About 20 MB in all.
 #

@@ -212,13 +212,14 @@ def test_exception_without_the_runner_aborts_the_job_at_once():
 
 
 def test_exception_without_the_hook_is_ended_by_the_watchdog():
-    """Hook turned off: the others wait in the reducer's validation until the watchdog fires."""
+    """Hook turned off: the others wait in the call's first message (it carries the call header) until the
+    watchdog fires."""
     job = run_job("train.py", "--fault=raise", "--rank=2", "--step=4", "--timeout=2", runner=False,
                   env={"MPI_GRADREDUCER_ABORT_ON_EXCEPTION": "0"})
     _assert_prompt(job)
     assert "RuntimeError: injected failure on rank 2 at step 4" in job.stderr, str(job)
     assert "uncaught RuntimeError" not in job.stderr, str(job)
-    fired = re.findall(r"mpi_gradreducer: rank (\d): call 4, the validation of the gradients has not completed "
+    fired = re.findall(r"mpi_gradreducer: rank (\d): call 4, bucket 0 \(\d+ bytes\) has not completed "
                        r"after [\d.]+ s \(timeout=2 s\); missing ranks: 2 \[rank 2: no answer", job.stderr)
     assert fired and "2" not in fired, str(job)
 
