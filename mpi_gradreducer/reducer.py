@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 import zlib
@@ -11,7 +12,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, backend, compression as wire, planning, transport
+from . import agreement, backend, compression as wire, interop, planning, transport
 from .fusion import FusionBuffer, join_runs, largest_finite
 from .groups import processor_names
 from .sparse import RowSparse, allgather_rowsparse
@@ -170,6 +171,7 @@ class DistributedGradReducer:
         self.nonfinite = False
         self._calls = 0
         self._active: Optional[ReductionStep] = None
+        self._caller_grads: Optional[Sequence[Any]] = None  # interop: what the step's wait() returns
         self._control: Optional[MPI.Intracomm] = None
         self._thread: Optional[CommThread] = None
         self.progress = self._choose_progress()
@@ -205,15 +207,18 @@ class DistributedGradReducer:
         specs = []
         supported = planning.supported_dtypes()
         for i, p in enumerate(params):
-            device = backend.device_of(p)
-            if device is None:
-                raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {type(p).__name__}")
-            if p.dtype not in supported:
+            # interop: any array by protocol (torch Parameters that require grad included)
+            described = interop.describe(p)
+            if described is None:
+                raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {interop.explain(p)}; "
+                                "any array with __dlpack__, __array_interface__ or __cuda_array_interface__ will do")
+            shape, dtype, device = described
+            if dtype not in supported:
                 raise TypeError(
-                    f"parameters[{i}]: dtype {p.dtype} is not supported; expected one of "
+                    f"parameters[{i}]: dtype {dtype} is not supported; expected one of "
                     + ", ".join(d.name for d in supported)
                 )
-            specs.append(planning.ParamSpec(tuple(p.shape), np.dtype(p.dtype), device))
+            specs.append(planning.ParamSpec(shape, dtype, device))
         self._specs = tuple(specs)
         if not isinstance(mean, (bool, np.bool_)):
             raise TypeError(f"mean: expected a bool, got {type(mean).__name__} {mean!r}")
@@ -388,13 +393,14 @@ class DistributedGradReducer:
                 not match the plan; no array has been modified on any rank.
             RuntimeError: when an asynchronous reduction is still in flight.
         """
-        self._start(grads)
+        grads, views = self._start(grads)  # interop: numpy/cupy views of the caller's objects
         tuner = self._tuner
         if tuner is not None and tuner.current() != self._bucket_bytes:
             self._plan(tuner.current())
         t0 = time.perf_counter()
-        self._run_buckets(range(len(self._fusion)), grads)
-        self._reduce_sparse(grads)
+        self._run_buckets(range(len(self._fusion)), views)
+        self._reduce_sparse(views)
+        self._return_sparse(views, grads)
         if tuner is not None:
             tuner.record(time.perf_counter() - t0)
             if tuner.finished:
@@ -422,13 +428,14 @@ class DistributedGradReducer:
         Returns:
             The step in flight.
         """
-        self._start(grads)
+        grads, views = self._start(grads)  # interop
         if self._control is None:
             self._control = self._comm.Dup()
         if self._thread is None and self.progress == "thread":
             self._thread = CommThread()
+        self._caller_grads = grads  # interop: what wait() returns
         self._active = ReductionStep(
-            grads, self._bucket_of, [len(f.bucket.indices) for f in self._fusion], self._launch, self._complete
+            views, self._bucket_of, [len(f.bucket.indices) for f in self._fusion], self._launch, self._complete
         )
         return self._active
 
@@ -469,14 +476,27 @@ class DistributedGradReducer:
 
     # -- one call ---------------------------------------------------------------------
 
-    def _start(self, grads: Sequence[Any]) -> None:
+    def _start(self, grads: Any) -> tuple[Sequence[Any], Sequence[Any]]:
+        """Check a call's gradients; returns them (a list if they came as an iterator) and their views."""
         if self._active is not None:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
-        self._check(grads)
+        if not isinstance(grads, (list, tuple)):  # interop: any iterable, e.g. (p.grad for p in params)
+            try:
+                grads = list(grads)
+            except TypeError:
+                pass  # named by the check below, on every rank
+        views = self._check(grads)
         self._calls += 1
         self.nonfinite = False
+        return grads, views
+
+    def _return_sparse(self, views: Sequence[Any], grads: Sequence[Any]) -> None:
+        """interop: put the new RowSparse results into the caller's list too."""
+        if views is not grads:
+            for i in self._sparse:
+                grads[i] = views[i]
 
     def _finish(self) -> None:
         self.stats.calls += 1
@@ -514,6 +534,7 @@ class DistributedGradReducer:
             step.join()
             if not counts.any():
                 self._reduce_sparse(step.grads)
+                self._return_sparse(step.grads, self._caller_grads)
         finally:
             self._active = None
         if counts.any():
@@ -525,13 +546,16 @@ class DistributedGradReducer:
                 "so that no rank hangs; call ready(i) for every gradient before wait()"
             )
         self._finish()
-        return step.grads
+        grads, self._caller_grads = self._caller_grads, None  # interop: the caller's list
+        return grads
 
-    def _check(self, grads: Sequence[Any]) -> None:
+    def _check(self, grads: Sequence[Any]) -> Sequence[Any]:
+        """Validate ``grads`` (collectively, unless told not to); returns their numpy/cupy views."""
         agree = self.validate == "always" or (self.validate == "first" and self._calls == 0)
         self._sparse = ()
+        views = grads
         try:
-            error = self._local_error(grads, aliasing=agree)
+            error, views = self._local_error(grads, aliasing=agree)
         except Exception as exc:  # an unexpected object must not strand the others
             error = TypeError(f"grads: could not be checked ({exc!r})")
         if agree:
@@ -540,13 +564,18 @@ class DistributedGradReducer:
                              agreement.raise_if_any, self._comm, error, (layout,))
         elif error is not None:
             raise error
+        return views
 
-    def _local_error(self, grads: Sequence[Any], aliasing: bool) -> Optional[Exception]:
+    def _local_error(self, grads: Sequence[Any], aliasing: bool) -> tuple[Optional[Exception], Sequence[Any]]:
+        """This rank's verdict on ``grads``, and their numpy/cupy views (``grads`` itself when all are arrays)."""
+        if not hasattr(grads, "__len__") or not hasattr(grads, "__getitem__"):  # interop
+            return TypeError(f"grads: expected a list (or any iterable) of arrays, got {type(grads).__name__}"), grads
         n = len(self._specs)
         if len(grads) != n:
-            return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}")
+            return ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}"), grads
         own, specs = self._own_views, self._specs
         sparse: list[int] = []
+        views = grads  # interop: replaced by a list of views when an entry is not a numpy array
         for i in self._checked:
             g = grads[i]
             if g is own[i]:
@@ -558,15 +587,23 @@ class DistributedGradReducer:
                     sparse.append(i)
                     error = _sparse_mismatch(i, g, spec, grads)
                 else:
-                    error = _mismatch(i, g, spec)
+                    v = interop.view(g, spec.device)  # interop: a zero-copy numpy/cupy view, or None
+                    if v is not g and v is not None:
+                        if views is grads:
+                            views = list(grads)
+                        views[i] = v
+                        if (type(v) is np.ndarray and v.shape == spec.shape and v.dtype == spec.dtype
+                                and v.flags.writeable and spec.device == "cpu"):
+                            continue  # the view fits
+                    error = _mismatch(i, g, spec, v)
                 if error is not None:
-                    return error
+                    return error, grads
         self._sparse = tuple(sparse)
         if aliasing:
             buffers = {id(_owner(f.buffer)) for f in self._fusion if f.buffer is not None}
             dense = [i for i in self._bucketed if i not in sparse] if sparse else self._bucketed
-            return _aliasing_error(grads, dense, own, buffers)
-        return None
+            return _aliasing_error(views, dense, own, buffers, foreign=views is not grads), views
+        return None, views
 
     def _run_buckets(self, ks: Sequence[int], grads: Sequence[Any], on_thread: bool = False) -> None:
         """Reduce buckets ``ks`` in order.
@@ -739,19 +776,25 @@ class DistributedGradReducer:
         self._comm.Abort(1)
 
 
-def _mismatch(i: int, g: Any, spec: planning.ParamSpec) -> Optional[Exception]:
-    """Why ``grads[i]`` does not fit parameter ``i``, or None if it does."""
-    device = backend.device_of(g)
+def _mismatch(i: int, g: Any, spec: planning.ParamSpec, v: Any) -> Optional[Exception]:
+    """Why ``grads[i]`` (``g``, viewed as ``v``, None if it has no view) does not fit parameter ``i``, or None."""
+    # interop: checks run on the view; the message names what the caller passed
+    device = None if v is None else backend.device_of(v)
     if device is None:
-        return TypeError(f"grads[{i}]: expected a numpy or cupy array, got {type(g).__name__}")
-    if g.shape != spec.shape:
-        return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {g.shape}")
-    if g.dtype != spec.dtype:
-        return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
+        return TypeError(
+            f"grads[{i}]: expected a numpy or cupy array, got {interop.explain(g)}; any array that numpy or "
+            f"cupy can view without a copy will do (shape {spec.shape}, dtype {spec.dtype}, on {spec.device}, "
+            f"as parameter {i})"
+        )
+    what = "" if v is g else f" ({type(g).__module__.split('.')[0]}.{type(g).__qualname__})"
+    if v.shape != spec.shape:
+        return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {tuple(v.shape)}{what}")
+    if v.dtype != spec.dtype:
+        return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {v.dtype}{what}")
     if device != spec.device:
-        return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
-    if not getattr(g.flags, "writeable", True):  # cupy arrays have no such flag, and are always writeable
-        return ValueError(f"grads[{i}] is read-only, but results are written in place; pass a writeable array")
+        return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}{what}")
+    if not getattr(v.flags, "writeable", True):  # cupy arrays have no such flag, and are always writeable
+        return ValueError(f"grads[{i}]{what} is read-only, but results are written in place; pass a writeable array")
     return None
 
 
@@ -776,7 +819,7 @@ def _sparse_mismatch(i: int, g: RowSparse, spec: planning.ParamSpec, grads: Sequ
 
 
 def _aliasing_error(
-    grads: Sequence[Any], indices: Sequence[int], own: Sequence[Any], buffers: set[int]
+    grads: Sequence[Any], indices: Sequence[int], own: Sequence[Any], buffers: set[int], foreign: bool = False
 ) -> Optional[Exception]:
     """ValueError naming two gradients that share memory, or None.
 
@@ -784,8 +827,21 @@ def _aliasing_error(
     bounds (slow to read) are compared only within such groups. The
     reducer's own views (``own``, into the fusion ``buffers``) are disjoint
     by construction and are looked at only when another gradient is a view
-    of the same buffer.
+    of the same buffer. ``foreign``: some entries are views of other
+    libraries' objects, whose owners do not tell whether they share memory
+    (two torch views of one storage have different owners), so all byte
+    bounds are compared.
     """
+    if foreign:  # interop
+        by_device: dict[Optional[str], list[int]] = {}
+        for i in indices:
+            if grads[i] is not own[i]:
+                by_device.setdefault(backend.device_of(grads[i]), []).append(i)
+        for members in by_device.values():
+            error = _overlap_error(grads, members)
+            if error is not None:
+                return error
+        return None
     seen: set[int] = set()
     shared = False
     for i in indices:
@@ -819,8 +875,16 @@ def _owner(a: Any) -> Any:
     return a
 
 
+def _bounds(a: Any) -> tuple[int, int]:
+    """interop: ``backend.byte_bounds``, three times faster for contiguous writeable host arrays."""
+    if type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable and a.size:
+        lo = ctypes.addressof(ctypes.c_char.from_buffer(a))
+        return lo, lo + a.nbytes
+    return backend.byte_bounds(a)
+
+
 def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exception]:
-    bounds = np.array([backend.byte_bounds(grads[i]) for i in indices], dtype=np.int64)
+    bounds = np.array([_bounds(grads[i]) for i in indices], dtype=np.int64)
     order = np.argsort(bounds[:, 0], kind="stable")
     lo, hi = bounds[order, 0], bounds[order, 1]
     reach = np.maximum.accumulate(hi)
@@ -828,7 +892,8 @@ def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Optional[Exc
         for j in range(k):
             if hi[j] > lo[k]:
                 a, b = sorted((indices[order[j]], indices[order[k]]))
-                if np.shares_memory(grads[a], grads[b]):
+                xp = np if isinstance(grads[a], np.ndarray) else __import__("cupy")  # interop: device views too
+                if xp.shares_memory(grads[a], grads[b]):
                     return ValueError(
                         f"grads[{a}] and grads[{b}] share memory, but results are written in place; "
                         "pass distinct arrays"
