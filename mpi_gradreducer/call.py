@@ -32,8 +32,10 @@ class Call:
 
     Attributes:
         number: the call's number (1 for the first).
-        grads: the arrays reduced: the caller's, with stand-ins for None.
+        grads: the arrays reduced: the caller's (or views of them), with stand-ins for None.
         local: this rank's header.
+        caller: the list the caller gets back (the one it passed, or a list of
+            what its iterable gave); None on a rank that has joined.
         check_finite: look for NaN/Inf in the results.
         on_thread: reduced on the communication thread.
         info: the call's structure on every rank, once the header was read.
@@ -50,6 +52,7 @@ class Call:
     number: int
     grads: Any
     local: control.Local
+    caller: Any = None
     check_finite: bool = False
     on_thread: bool = False
     info: control.CallInfo | None = None
@@ -110,12 +113,14 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
             work[i] = view if view is not None else zeros(plan.specs[i])
         return Call(number, work, local, check_finite)
     local = control.Local(number, checked.error, True, checked.sparse, checked.absent, checked.views, asynchronous)
-    if checked.error is not None or not checked.absent:
-        return Call(number, grads, local, check_finite)
-    work = list(grads)
-    for i in checked.absent:
-        work[i] = zeros(plan.specs[i])
-    return Call(number, work, local, check_finite)
+    if checked.error is not None:
+        return Call(number, grads, local, grads, check_finite)
+    work = checked.arrays
+    if checked.absent:
+        work = list(work)
+        for i in checked.absent:
+            work[i] = zeros(plan.specs[i])
+    return Call(number, work, local, grads, check_finite)
 
 
 def settle(call: Call, comm: MPI.Intracomm, options: Options, plan: FusionPlan, summary: control.Summary) -> None:
@@ -130,8 +135,9 @@ def settle(call: Call, comm: MPI.Intracomm, options: Options, plan: FusionPlan, 
             call.grads[i] = RowSparse(np.empty(0, np.int64), np.empty((0, *spec.shape[1:]), spec.dtype), spec.shape)
 
 
-def close(call: Call, grads: Any) -> None:
-    """Put the results of stand-ins and RowSparse gradients into the caller's list ``grads``."""
+def close(call: Call) -> None:
+    """Put the results of stand-ins and RowSparse gradients into the caller's list."""
+    grads = call.caller
     if call.grads is grads or not call.local.contributing:
         return
     info = call.info

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, compression as wire, planning, transport
+from . import backend, compression as wire, interop, planning, transport
 from .dtypes import supported_dtypes
 from .groups import processor_names
 
@@ -131,7 +131,7 @@ def positive(name: str, value: Any, *, integer: bool = False, none: bool = False
 
 
 def param_specs(parameters: Iterable[Any]) -> tuple[planning.ParamSpec, ...]:
-    """Shape, dtype and device of each parameter.
+    """Shape, dtype and device of each parameter (any iterable of arrays of any library).
 
     Raises:
         TypeError: a parameter that is not an array, or of an unsupported dtype.
@@ -139,15 +139,17 @@ def param_specs(parameters: Iterable[Any]) -> tuple[planning.ParamSpec, ...]:
     specs = []
     supported = supported_dtypes()
     for i, p in enumerate(parameters):
-        device = backend.device_of(p)
-        if device is None:
-            raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {type(p).__name__}")
-        if p.dtype not in supported:
+        described = interop.describe(p)  # any array by protocol; torch Parameters that require grad too
+        if described is None:
+            raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {interop.explain(p)}; "
+                            "any array with __dlpack__, __array_interface__ or __cuda_array_interface__ will do")
+        shape, dtype, device = described
+        if dtype not in supported:
             raise TypeError(
-                f"parameters[{i}]: dtype {p.dtype} is not supported; expected one of "
+                f"parameters[{i}]: dtype {dtype} is not supported; expected one of "
                 + ", ".join(d.name for d in supported)
             )
-        specs.append(planning.ParamSpec(tuple(p.shape), np.dtype(p.dtype), device))
+        specs.append(planning.ParamSpec(tuple(shape), np.dtype(dtype), device))
     return tuple(specs)
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -213,8 +213,9 @@ class DistributedGradReducer:
                 not match the plan; no array has been modified on any rank.
             RuntimeError: when an asynchronous reduction is still in flight.
         """
-        self._reduce(self._start(grads), grads)
-        return grads
+        call = self._start(grads)
+        self._reduce(call)
+        return call.caller
 
     def begin(self, grads: Sequence[Any]) -> ReductionStep:
         """Start a reduction whose buckets launch as their gradients become ready.
@@ -240,8 +241,8 @@ class DistributedGradReducer:
             self._thread = CommThread()
         call.on_thread = self._thread is not None
         self._active = ReductionStep(
-            grads, self._plan.bucket_of, [len(b.indices) for b in self.buckets],
-            lambda step, batch: self._launch(call, step, batch), lambda step: self._complete(call, step, grads),
+            call.caller, self._plan.bucket_of, [len(b.indices) for b in self.buckets],
+            lambda step, batch: self._launch(call, step, batch), lambda step: self._complete(call, step),
         )
         return self._active
 
@@ -292,7 +293,7 @@ class DistributedGradReducer:
                 return
             if call.info is not None and call.info.asynchronous:
                 self._agree_on_readiness(())
-            self._reduce(call, None)
+            self._reduce(call)
 
     # -- one call ---------------------------------------------------------------------
 
@@ -304,6 +305,11 @@ class DistributedGradReducer:
             raise RuntimeError("this reducer was freed")
         checked = None
         if grads is not None:
+            if not isinstance(grads, (list, tuple, Mapping)):  # any iterable, e.g. (p.grad for p in params)
+                try:
+                    grads = list(grads)
+                except TypeError:
+                    pass  # named by the checks, on every rank
             aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
             checked = check_grads(grads, self._plan, aliasing)
         self._calls += 1  # on every rank, whether or not the call then raises
@@ -322,7 +328,7 @@ class DistributedGradReducer:
         self.nonfinite = False
         return call
 
-    def _reduce(self, call: Call, grads: Any) -> None:
+    def _reduce(self, call: Call) -> None:
         """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning."""
         tuner = self._tuner
         if tuner is not None and tuner.current() != self._bucket_bytes:
@@ -335,10 +341,10 @@ class DistributedGradReducer:
             if tuner.finished:
                 self._build_plan(tuner.decide(self._comm))
                 self._tuner = None
-        self._finish(call, grads)
+        self._finish(call)
 
-    def _finish(self, call: Call, grads: Any) -> None:
-        close(call, grads)
+    def _finish(self, call: Call) -> None:
+        close(call)
         self.nonfinite = call.nonfinite
         self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1
@@ -371,7 +377,7 @@ class DistributedGradReducer:
             self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
         return counts
 
-    def _complete(self, call: Call, step: ReductionStep, grads: Any) -> Sequence[Any]:
+    def _complete(self, call: Call, step: ReductionStep) -> Sequence[Any]:
         """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
         missing = step.not_ready()
         counts = self._agree_on_readiness(missing)
@@ -396,6 +402,6 @@ class DistributedGradReducer:
                 + ". The buckets were reduced anyway, with the values those gradients held at wait(), "
                 "so that no rank hangs; call ready(i) for every gradient before wait()"
             )
-        self._finish(call, grads)
-        return step.grads
+        self._finish(call)
+        return call.caller
 

@@ -5,13 +5,15 @@ Local only: :mod:`agreement` makes every rank reach the same verdict.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from . import backend
+from . import backend, interop
 from .fusion import FusionPlan, owner
 from .planning import ParamSpec
 from .sparse import RowSparse
@@ -28,12 +30,15 @@ class Checked:
         sparse: positions of RowSparse gradients.
         absent: positions of None gradients (this rank has none for that parameter).
         views: every gradient that can be is the reducer's own bucket view.
+        arrays: the gradients as numpy/cupy arrays: ``grads`` itself, or a
+            new list with zero-copy views where other libraries' arrays came.
     """
 
     error: Exception | None
     sparse: tuple[int, ...] = ()
     absent: tuple[int, ...] = ()
     views: bool = False
+    arrays: Any = None
 
 
 def check_grads(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
@@ -65,6 +70,7 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
     sparse: list[int] = []
     absent: list[int] = []
     views = 0
+    arrays = grads  # becomes a list of views when some entry is another library's array
     for i in plan.checked:
         g = grads[i]
         if g is own[i]:
@@ -84,30 +90,49 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
                 sparse.append(i)
                 error = _sparse_mismatch(i, g, spec, grads)
             else:
-                error = _mismatch(i, g, spec)
+                v = g if type(g) is np.ndarray else interop.view(g, spec.device)
+                if v is not g and v is not None:
+                    if arrays is grads:
+                        arrays = list(grads)
+                    arrays[i] = v
+                    if _fits(v, spec):
+                        continue
+                error = _mismatch(i, g, spec, v)
             if error is not None:
                 return Checked(error)
     error = None
     if aliasing:
         skip = set(sparse) | set(absent)
         dense = [i for i in plan.bucketed if i not in skip] if skip else plan.bucketed
-        error = _aliasing_error(grads, dense, own, plan.buffer_owners())
-    return Checked(error, tuple(sparse), tuple(absent), views > 0 and views == plan.own_count)
+        error = _aliasing_error(arrays, dense, own, plan.buffer_owners(), foreign=arrays is not grads)
+    return Checked(error, tuple(sparse), tuple(absent), views > 0 and views == plan.own_count, arrays)
 
 
-def _mismatch(i: int, g: Any, spec: ParamSpec) -> Exception | None:
-    """Why ``grads[i]`` does not fit parameter ``i``, or None if it does."""
-    device = backend.device_of(g)
+def _fits(v: Any, spec: ParamSpec) -> bool:
+    """Whether the array ``v`` can stand for parameter ``spec`` as it is."""
+    if v.shape != spec.shape or v.dtype != spec.dtype or backend.device_of(v) != spec.device:
+        return False
+    return getattr(v.flags, "writeable", True)
+
+
+def _mismatch(i: int, g: Any, spec: ParamSpec, v: Any) -> Exception | None:
+    """Why ``grads[i]`` (``g``, viewed as the array ``v``, None without a view) does not fit parameter ``i``."""
+    device = None if v is None else backend.device_of(v)
     if device is None:
-        return TypeError(f"grads[{i}]: expected a numpy or cupy array, got {type(g).__name__}")
-    if g.shape != spec.shape:
-        return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {g.shape}")
-    if g.dtype != spec.dtype:
-        return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {g.dtype}")
+        return TypeError(
+            f"grads[{i}]: expected a numpy or cupy array, got {interop.explain(g)}; any array that numpy or "
+            f"cupy can view without a copy will do (shape {spec.shape}, dtype {spec.dtype}, on {spec.device}, "
+            f"as parameter {i})"
+        )
+    what = "" if v is g else f" ({type(g).__module__.split('.')[0]}.{type(g).__qualname__})"
+    if v.shape != spec.shape:
+        return ValueError(f"grads[{i}]: expected shape {spec.shape} (as parameter {i}), got {tuple(v.shape)}{what}")
+    if v.dtype != spec.dtype:
+        return TypeError(f"grads[{i}]: expected dtype {spec.dtype} (as parameter {i}), got {v.dtype}{what}")
     if device != spec.device:
-        return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}")
-    if not getattr(g.flags, "writeable", True):  # cupy arrays have no such flag, and are always writeable
-        return ValueError(f"grads[{i}] is read-only, but results are written in place; pass a writeable array")
+        return ValueError(f"grads[{i}]: expected an array on {spec.device} (as parameter {i}), got {device}{what}")
+    if not getattr(v.flags, "writeable", True):  # cupy arrays have no such flag, and are always writeable
+        return ValueError(f"grads[{i}]{what} is read-only, but results are written in place; pass a writeable array")
     return None
 
 
@@ -132,7 +157,7 @@ def _sparse_mismatch(i: int, g: RowSparse, spec: ParamSpec, grads: Sequence[Any]
 
 
 def _aliasing_error(
-    grads: Sequence[Any], indices: Sequence[int], own: Sequence[Any], buffers: set[int]
+    grads: Sequence[Any], indices: Sequence[int], own: Sequence[Any], buffers: set[int], foreign: bool = False
 ) -> Exception | None:
     """ValueError naming two gradients that share memory, or None.
 
@@ -140,8 +165,21 @@ def _aliasing_error(
     bounds (slow to read) are compared only within such groups. The
     reducer's own views (``own``, into the fusion ``buffers``) are disjoint
     by construction and are looked at only when another gradient is a view
-    of the same buffer.
+    of the same buffer. ``foreign``: some entries are views of other
+    libraries' arrays, whose owners do not tell whether they share memory
+    (two torch views of one storage have different owners), so the bounds of
+    all of them are compared, device by device.
     """
+    if foreign:
+        by_device: dict[str | None, list[int]] = {}
+        for i in indices:
+            if grads[i] is not own[i]:
+                by_device.setdefault(backend.device_of(grads[i]), []).append(i)
+        for members in by_device.values():
+            error = _overlap_error(grads, members)
+            if error is not None:
+                return error
+        return None
     seen: set[int] = set()
     shared = False
     for i in indices:
@@ -168,7 +206,7 @@ def _aliasing_error(
 
 
 def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Exception | None:
-    bounds = np.array([backend.byte_bounds(grads[i]) for i in indices], dtype=np.int64)
+    bounds = np.array([_bounds(grads[i]) for i in indices], dtype=np.int64)
     order = np.argsort(bounds[:, 0], kind="stable")
     lo, hi = bounds[order, 0], bounds[order, 1]
     reach = np.maximum.accumulate(hi)
@@ -176,9 +214,18 @@ def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Exception | 
         for j in range(k):
             if hi[j] > lo[k]:
                 a, b = sorted((indices[order[j]], indices[order[k]]))
-                if np.shares_memory(grads[a], grads[b]):
+                xp = np if isinstance(grads[a], np.ndarray) else sys.modules["cupy"]  # device views: cupy's
+                if xp.shares_memory(grads[a], grads[b]):
                     return ValueError(
                         f"grads[{a}] and grads[{b}] share memory, but results are written in place; "
                         "pass distinct arrays"
                     )
     return None
+
+
+def _bounds(a: Any) -> tuple[int, int]:
+    """``backend.byte_bounds``, three times faster for contiguous writeable host arrays of numpy's own dtypes."""
+    if type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable and a.size and a.dtype.isbuiltin == 1:
+        lo = ctypes.addressof(ctypes.c_char.from_buffer(a))
+        return lo, lo + a.nbytes
+    return backend.byte_bounds(a)

@@ -1,0 +1,57 @@
+"""``scripts/train_torch.py`` under ``mpiexec -n 4``: it learns, and it agrees with DDP.
+
+Each case launches a whole MPI job with a hard time limit. torch and
+scikit-learn are optional: without them the tests skip (they run in one
+process, so a skip needs no agreement between ranks).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+SCRIPT = os.path.join(ROOT, "scripts", "train_torch.py")
+TIMEOUT = 300
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs torch"),
+    pytest.mark.skipif(importlib.util.find_spec("sklearn") is None, reason="needs scikit-learn"),
+]
+
+
+def _mpiexec() -> str:
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if found is None:
+        pytest.skip("needs mpiexec")
+    return found
+
+
+def _run(*args: str) -> dict[str, str]:
+    """Run the script on 4 ranks; returns the last value of every ``key=value`` in its output."""
+    env = dict(os.environ)
+    env.pop("PYTHONUNBUFFERED", None)  # the script must flush its own lines
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(
+        [_mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", SCRIPT, *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(re.findall(r"(\w+)=(\S+)", proc.stdout))
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
+def test_torch_training_matches_ddp(overlap):
+    out = _run("--epochs", "3", "--check-ddp", *(["--overlap"] if overlap else []))
+    assert out["ranks"] == "4" and out["overlap"] == str(overlap)
+    assert float(out["max_difference_vs_ddp"]) <= 1e-9
+    assert float(out["test_accuracy"]) > 0.9
+    assert float(out["loss"]) < 0.3
