@@ -403,7 +403,7 @@ def _has(obj: Any, name: str) -> bool:
 
 def _cuda_reason(obj: Any) -> str:
     try:
-        import cupy  # noqa: F401
+        import cupy  # noqa: F401  (only whether it imports)
     except ImportError:
         return "it is in CUDA memory, which needs cupy, and cupy is not installed"
     dtype = _numpy_dtype(getattr(obj, "dtype", None))

@@ -6,7 +6,6 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 from mpi4py import MPI
 
 from . import agreement, config, control, paths
@@ -15,7 +14,7 @@ from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from .call import Call, close, open_call, settle
 from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
-from .steps import CommThread, ReductionStep
+from .steps import Overlap, ReductionStep
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from .validation import check_grads
 
@@ -145,9 +144,7 @@ class DistributedGradReducer:
         self.contributors = self._comm.Get_size()
         self._calls = 0
         self._active: ReductionStep | None = None
-        self._control: MPI.Intracomm | None = self._comm.Dup()  # for wait()'s readiness check
-        self._thread: CommThread | None = None
-        self._deferred: list[int] = []  # buckets launched but not yet reduced ("deferred" progress)
+        self._overlap = Overlap(self._comm, self.progress == "thread")
 
     # -- construction steps -----------------------------------------------------------
 
@@ -237,13 +234,7 @@ class DistributedGradReducer:
             The step in flight.
         """
         call = self._start(grads, asynchronous=True)
-        if self._thread is None and self.progress == "thread":
-            self._thread = CommThread()
-        call.on_thread = self._thread is not None
-        self._active = ReductionStep(
-            call.caller, self._plan.bucket_of, [len(b.indices) for b in self.buckets],
-            lambda step, batch: self._launch(call, step, batch), lambda step: self._complete(call, step),
-        )
+        self._active = self._overlap.begin(call, self._plan, self._paths, self._sparse, self._finish)
         return self._active
 
     def reduce_async(self, grads: Sequence[Any]) -> ReductionStep:
@@ -259,16 +250,12 @@ class DistributedGradReducer:
 
     def free(self) -> None:
         """Write the timeline, release the communicators and threads (collective). Idempotent."""
-        if self._thread is not None:
-            self._thread.close()
-            self._thread = None
+        self._overlap.close()
         self._instrument.close()
         if self._compression is not None:
             self._compression.free()
-        for comm in (self._control, self._comm):
-            if comm is not None and comm != MPI.COMM_NULL:
-                comm.Free()
-        self._control = None
+        if self._comm != MPI.COMM_NULL:
+            self._comm.Free()
 
     def __enter__(self) -> DistributedGradReducer:
         return self
@@ -292,14 +279,14 @@ class DistributedGradReducer:
                 self.contributors = 0
                 return
             if call.info is not None and call.info.asynchronous:
-                self._agree_on_readiness(())
+                self._overlap.agree_on_readiness(())  # as the others do in wait()
             self._reduce(call)
 
     # -- one call ---------------------------------------------------------------------
 
     def _start(self, grads: Any, asynchronous: bool = False) -> Call:
         """Validate ``grads`` (None: this rank has joined), open the call, read its header if it goes ahead."""
-        if self._active is not None:
+        if self._active is not None and not self._active.closed:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
@@ -348,60 +335,3 @@ class DistributedGradReducer:
         self.nonfinite = call.nonfinite
         self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1
-
-    def _launch(self, call: Call, step: ReductionStep, batch: list[int]) -> None:
-        """Buckets ``batch`` became ready: reduce them on the thread, or keep them for ``wait()``."""
-        if self._thread is None:
-            self._deferred.extend(batch)
-            return
-        launched = [(path, path.before_launch()) for path in {id(self._paths[k]): self._paths[k] for k in batch}.values()]
-        self._thread.submit(lambda: self._run_batch(call, step, batch, launched))
-
-    def _run_batch(self, call: Call, step: ReductionStep, batch: list[int],
-                   launched: Sequence[tuple[Any, Any]] = ()) -> None:
-        error: BaseException | None = None
-        try:
-            for path, token in launched:
-                path.launched = token
-            paths.run(self._paths, batch, call)
-        except BaseException as exc:  # reported by wait()
-            error = exc
-        for _ in batch:
-            step.bucket_finished(error)
-
-    def _agree_on_readiness(self, missing: Sequence[int]) -> np.ndarray:
-        """How many gradients each rank had not declared ready at ``wait()`` (collective on the control comm)."""
-        counts = np.array([len(missing)], dtype=np.int64)
-        if self._comm.Get_size() > 1:
-            counts = np.zeros(self._comm.Get_size(), dtype=np.int64)
-            self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
-        return counts
-
-    def _complete(self, call: Call, step: ReductionStep) -> Sequence[Any]:
-        """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
-        missing = step.not_ready()
-        counts = self._agree_on_readiness(missing)
-        if counts.any():
-            step.mark_all_ready()  # every rank still issues every collective: no one hangs
-        try:
-            if self._deferred:
-                batch, self._deferred = self._deferred, []
-                self._run_batch(call, step, batch)
-            step.join()
-            for path in {id(p): p for p in self._paths}.values():
-                path.after_wait()
-            if not counts.any():
-                self._sparse.reduce(call)
-        finally:
-            self._active = None
-        if counts.any():
-            ranks = ", ".join(f"rank {r} ({c})" for r, c in enumerate(counts) if c)
-            raise RuntimeError(
-                f"wait() was called before ready() for every gradient on {ranks}"
-                + (f"; here: grads{missing[:8]}" if missing else "")
-                + ". The buckets were reduced anyway, with the values those gradients held at wait(), "
-                "so that no rank hangs; call ready(i) for every gradient before wait()"
-            )
-        self._finish(call)
-        return call.caller
-

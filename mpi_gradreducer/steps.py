@@ -1,4 +1,4 @@
-"""Reductions in flight: per-gradient readiness, in-order launch, a communication thread."""
+"""Reductions in flight: per-gradient readiness, in-order launch, a communication thread, begin/wait."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["CommThread", "ReductionStep"]
+import numpy as np
+from mpi4py import MPI
+
+from .paths import run
+
+if TYPE_CHECKING:
+    from .call import Call
+    from .fusion import FusionPlan
+
+__all__ = ["CommThread", "Overlap", "ReductionStep"]
 
 
 class CommThread:
@@ -86,6 +95,8 @@ class ReductionStep:
         self._errors: list[BaseException] = []
         self._cond = threading.Condition()
         self._result: Sequence[Any] | None = None
+        #: True once ``wait()`` has finished (or failed): the reducer takes the next call.
+        self.closed = False
 
     def ready(self, index: int) -> None:
         """Declare ``grads[index]`` final; launches every bucket that became ready.
@@ -154,3 +165,109 @@ class ReductionStep:
             self._next += 1
         if batch:
             self._launch(self, batch)
+
+
+class Overlap:
+    """``begin()`` and ``wait()`` of one reducer: batches on a communication thread, or all in ``wait()``.
+
+    Construction is collective (a duplicate of ``comm`` carries ``wait()``'s
+    readiness check, apart from the data).
+
+    Args:
+        comm: the reducer's communicator.
+        thread: reduce launched buckets on a communication thread
+            (``progress="thread"``); else in ``wait()``.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, thread: bool) -> None:
+        self._control = comm.Dup()
+        self._size = comm.Get_size()
+        self._use_thread = thread
+        self._thread: CommThread | None = None
+        self._deferred: list[int] = []  # buckets launched but not yet reduced ("deferred" progress)
+
+    def begin(self, call: Call, plan: FusionPlan, paths: Sequence[Any], sparse: Any,
+              finish: Callable[[Call], None]) -> ReductionStep:
+        """The step of ``call``: buckets launch in plan order as their gradients become ready.
+
+        Args:
+            call: the call, validated.
+            plan: the reducer's plan.
+            paths: the path of each bucket.
+            sparse: the RowSparse path, run in ``wait()``.
+            finish: called with ``call`` when ``wait()`` succeeds.
+        """
+        if self._use_thread and self._thread is None:
+            self._thread = CommThread()
+        call.on_thread = self._thread is not None
+        return ReductionStep(
+            call.caller, plan.bucket_of, [len(b.indices) for b in plan.buckets],
+            lambda step, batch: self._launch(call, paths, step, batch),
+            lambda step: self._complete(call, paths, sparse, finish, step),
+        )
+
+    def agree_on_readiness(self, missing: Sequence[int]) -> np.ndarray:
+        """How many gradients each rank had not declared ready at ``wait()`` (collective)."""
+        counts = np.array([len(missing)], dtype=np.int64)
+        if self._size > 1:
+            counts = np.zeros(self._size, dtype=np.int64)
+            self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
+        return counts
+
+    def close(self) -> None:
+        """Stop the thread and free the control communicator (collective). Idempotent."""
+        if self._thread is not None:
+            self._thread.close()
+            self._thread = None
+        if self._control != MPI.COMM_NULL:
+            self._control.Free()
+
+    def _launch(self, call: Call, paths: Sequence[Any], step: ReductionStep, batch: list[int]) -> None:
+        """Buckets ``batch`` became ready: reduce them on the thread, or keep them for ``wait()``."""
+        if self._thread is None:
+            self._deferred.extend(batch)
+            return
+        launched = [(path, path.before_launch()) for path in {id(paths[k]): paths[k] for k in batch}.values()]
+        self._thread.submit(lambda: self._run_batch(call, paths, step, batch, launched))
+
+    @staticmethod
+    def _run_batch(call: Call, paths: Sequence[Any], step: ReductionStep, batch: list[int],
+                   launched: Sequence[tuple[Any, Any]] = ()) -> None:
+        error: BaseException | None = None
+        try:
+            for path, token in launched:
+                path.launched = token
+            run(paths, batch, call)
+        except BaseException as exc:  # reported by wait()
+            error = exc
+        for _ in batch:
+            step.bucket_finished(error)
+
+    def _complete(self, call: Call, paths: Sequence[Any], sparse: Any, finish: Callable[[Call], None],
+                  step: ReductionStep) -> Sequence[Any]:
+        """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
+        missing = step.not_ready()
+        counts = self.agree_on_readiness(missing)
+        if counts.any():
+            step.mark_all_ready()  # every rank still issues every collective: no one hangs
+        try:
+            if self._deferred:
+                batch, self._deferred = self._deferred, []
+                self._run_batch(call, paths, step, batch)
+            step.join()
+            for path in {id(p): p for p in paths}.values():
+                path.after_wait()
+            if not counts.any():
+                sparse.reduce(call)
+        finally:
+            step.closed = True
+        if counts.any():
+            ranks = ", ".join(f"rank {r} ({c})" for r, c in enumerate(counts) if c)
+            raise RuntimeError(
+                f"wait() was called before ready() for every gradient on {ranks}"
+                + (f"; here: grads{missing[:8]}" if missing else "")
+                + ". The buckets were reduced anyway, with the values those gradients held at wait(), "
+                "so that no rank hangs; call ready(i) for every gradient before wait()"
+            )
+        finish(call)
+        return call.caller
