@@ -39,8 +39,10 @@ from .dtypes import scaled_copy
 __all__ = [
     "COMPRESSIONS",
     "Compression",
+    "SliceSum",
     "compressed_allreduce",
     "get_compression",
+    "half_format",
     "pack",
     "unpack",
 ]
@@ -189,6 +191,12 @@ def get_compression(name: str | None) -> Compression | None:
     )
 
 
+def half_format(dtype: Any) -> Compression:
+    """The 16-bit format of ``dtype`` (float16 or bfloat16), to sum such buffers with :class:`SliceSum`."""
+    dtype = np.dtype(dtype)
+    return Compression("fp16" if dtype == np.float16 else "bf16", dtype)
+
+
 def pack(src: Any, wire_view: Any, prescale: float = 1.0) -> None:
     """Write ``src * prescale`` into ``wire_view``, cast to the wire dtype, in one pass.
 
@@ -223,8 +231,9 @@ def compressed_allreduce(
     *,
     method: str = "alltoall",
     after: Callable[[Any], None] | None = None,
+    scale: float = 1.0,
 ) -> int:
-    """Sum a 1-D wire buffer over ``comm`` in place, chunk by chunk.
+    """Sum a 1-D wire buffer over ``comm`` in place, chunk by chunk (times ``scale``, rounded once).
 
     Collective: every rank passes a buffer of the same length, the same
     compression name and the same method. The result is bitwise identical on
@@ -245,6 +254,7 @@ def compressed_allreduce(
             move the same number of bytes as a bandwidth-optimal Allreduce.
         after: called with each reduced chunk (a wire-dtype view), e.g. to
             unpack it while it is still in cache.
+        scale: factor applied to each sum in float32 before it is rounded.
 
     Returns:
         The number of collective calls made.
@@ -261,11 +271,11 @@ def compressed_allreduce(
         )
     if wire_buf.ndim != 1 or not wire_buf.flags.c_contiguous:
         raise ValueError(f"wire_buf: expected a 1-D contiguous array, got shape {wire_buf.shape}")
-    reduce = _ChunkReducer(comm, compression, chunk_bytes, method)
+    reduce = SliceSum(comm, compression, chunk_bytes, method)
     calls = 0
     for start in range(0, wire_buf.shape[0], reduce.step):
         chunk = wire_buf[start : start + reduce.step]
-        calls += reduce(chunk)
+        calls += reduce(chunk, scale)
         if after is not None:
             after(chunk)
     return calls
@@ -274,8 +284,15 @@ def compressed_allreduce(
 _METHODS = ("alltoall", "allreduce")
 
 
-class _ChunkReducer:
-    """Sums one wire chunk at a time across ``comm``, reusing its scratch buffers."""
+class SliceSum:
+    """Sums one 16-bit chunk at a time across ``comm`` in float32, reusing its scratch buffers.
+
+    With the default method, rank ``k`` receives every rank's copy of slice
+    ``k`` of the chunk, adds them in float32 in rank order, scales, rounds
+    once and the slices are shared again: the reducer's way to sum float16
+    and bfloat16 gradients, whether they are compressed float32 ones or
+    half-precision ones of their own.
+    """
 
     def __init__(self, comm: MPI.Comm, compression: Compression, chunk_bytes: int, method: str) -> None:
         if method not in _METHODS:
@@ -292,14 +309,18 @@ class _ChunkReducer:
         self._acc: Any = None
         self._layout: tuple[int, list[int], list[int], int] = (-1, [], [], 0)
 
-    def __call__(self, chunk: Any) -> int:
-        """Sum ``chunk`` across ranks in place; returns the number of collectives."""
-        if self.size == 1 or chunk.shape[0] == 0:
+    def __call__(self, chunk: Any, scale: float = 1.0) -> int:
+        """Sum ``chunk`` across ranks in place, times ``scale`` (rounded once); returns the collectives made."""
+        if chunk.shape[0] == 0:
             return 0
-        if self.method == "allreduce":
-            self.comm.Allreduce(MPI.IN_PLACE, [chunk.view(np.uint16), self.compression.mpi_datatype()],
-                                op=self.compression.op())
-            return 1
+        if self.size == 1 or self.method == "allreduce":
+            if self.size > 1:
+                self.comm.Allreduce(MPI.IN_PLACE, [chunk.view(np.uint16), self.compression.mpi_datatype()],
+                                    op=self.compression.op())
+            if scale != 1.0:
+                with np.errstate(over="ignore"):
+                    np.multiply(chunk, scale, out=chunk, dtype=np.float32, casting="unsafe")
+            return int(self.size > 1)
         n, counts, displs, mine = self._split(chunk.shape[0])
         size = self.size
         if self._recv is None or self._recv.shape[0] < size * mine:
@@ -318,6 +339,8 @@ class _ChunkReducer:
         np.copyto(acc, rows[0], casting="unsafe")
         for k in range(1, size):  # rank order: the same bits wherever it is computed
             np.add(acc, rows[k], out=acc, dtype=np.float32, casting="unsafe")
+        if scale != 1.0:
+            np.multiply(acc, np.float32(scale), out=acc)
         seg = chunk[displs[self.rank] : displs[self.rank] + mine]
         with np.errstate(over="ignore"):
             np.copyto(seg, acc, casting="unsafe")

@@ -211,11 +211,21 @@ class FusionPlan:
 
 
 def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int) -> FusionPlan:
-    """The reducer's plan: backward order, a small first bucket, large gradients alone."""
+    """The reducer's plan: backward order, a small first bucket, large gradients alone.
+
+    Host gradients travel in their own dtype (float16 and bfloat16 too: each
+    rank then sums one slice in float32); with compression, float32 and
+    float64 ones as 16-bit floats; device halves in float32.
+    """
     comp = get_compression(options.compression)
-    wire_dtype = reduction_dtype
-    if comp is not None:
-        wire_dtype = lambda d: comp.wire_dtype if comp.applies_to(d) else reduction_dtype(d)  # noqa: E731
+
+    def wire_dtype(dtype: np.dtype, device: str) -> np.dtype:
+        if not backend.is_host(device):
+            return reduction_dtype(dtype)  # device halves are summed by MPI in float32
+        if comp is not None and comp.applies_to(dtype):
+            return comp.wire_dtype
+        return np.dtype(dtype)  # host halves travel as 16 bits, summed slice by slice in float32
+
     buckets = make_plan(
         specs, options.ids, bucket_bytes, DIRECT_BYTES, reverse=True,
         first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=options.skip, wire_dtype=wire_dtype,

@@ -6,10 +6,11 @@ unpack (or, where the gradients allow, the collective alone, in place).
 ========================  ==================================================================
 path                      buckets
 ========================  ==================================================================
-:class:`HostPath`         host buckets summed in their own dtype: in place where the members
-                          lie back to back (consecutive buckets as one run), else packed
-:class:`PackedPath`       host buckets summed in another dtype (float16, bfloat16: float32)
-:class:`CompressedPath`   host buckets sent as 16-bit floats (``compression=``)
+:class:`HostPath`         host buckets of 32/64-bit floats and complex: in place where the
+                          members lie back to back (consecutive buckets as one run), else
+                          packed (:class:`PackedPath`, the base of the host paths)
+:class:`HalfPath`         host float16/bfloat16 buckets: 16 bits on the wire, summed in float32
+:class:`CompressedPath`   float32/float64 host buckets sent as 16-bit floats (``compression=``)
 :class:`DevicePath`       the buckets of one GPU: CUDA-aware MPI, or staged through pinned memory
 :class:`SparsePath`       the call's ``RowSparse`` gradients (``Allgatherv``), after the buckets
 ========================  ==================================================================
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from . import backend, compression as wire, control, transport
@@ -58,6 +60,16 @@ class Context:
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
         self._message: Any = None  # the carrier's first message: header, then its head
+        if carried and first is not None and first.count <= self.head_count():
+            # a small first bucket is packed straight behind the header: no copy in or out
+            plan.buffers[0].allocate(self._first_message()[control.lead(first.wire_dtype):])
+
+    def _first_message(self) -> Any:
+        """The buffer of the first message (allocated once)."""
+        if self._message is None:
+            b = self.plan.buffers[0].bucket
+            self._message = backend.empty(control.lead(b.wire_dtype) + self.head_count(), b.wire_dtype, "cpu")
+        return self._message
 
     def head_count(self) -> int:
         """Elements of the carrier bucket that travel with the header."""
@@ -71,15 +83,15 @@ class Context:
         caller's has been modified then.
         """
         b = self.plan.buffers[0].bucket
-        lead, m = control.lead(b.wire_dtype), self.head_count()
-        if self._message is None:
-            self._message = backend.empty(lead + m, b.wire_dtype, "cpu")
-        msg = self._message
+        lead = control.lead(b.wire_dtype)
+        msg = self._first_message()
         call.local.write(control.real_view(msg[:lead]))
+        body = msg[lead:]
+        same = head is not None and _same_memory(head, body)  # packed straight behind the header
         if head is None:
-            msg[lead:] = 0
-        else:
-            msg[lead:] = head
+            body[...] = 0
+        elif not same:
+            body[...] = head
         if self.comm.Get_size() > 1:
             self.instrument.collective(self.describe(0), call.number,
                                        self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
@@ -87,7 +99,7 @@ class Context:
         assert call.settle is not None
         call.settle(control.Summary.of(control.real_view(msg[:lead])))
         if head is not None:
-            scaled_copy(msg[lead:], head, call.scale)
+            scaled_copy(body, body if same else head, call.scale)
             check = call.finite_check(self.plan.buffers[0].limit)
             if check is not None:
                 check(head)
@@ -174,7 +186,11 @@ class PackedPath:
 
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum (and scale) the packed buffer of bucket ``k`` across ranks."""
-        self.ctx.allreduce(k, self.ctx.take_head(k, f.buffer, call), call)  # scaled chunk by chunk, in cache
+        self.reduce_buffer(k, self.ctx.take_head(k, f.buffer, call), call)
+
+    def reduce_buffer(self, k: int, buf: Any, call: Call) -> None:
+        """The collective: sum (and scale) ``buf`` of bucket ``k`` in place, chunk by chunk, while in cache."""
+        self.ctx.allreduce(k, buf, call)
 
 
 class HostPath(PackedPath):
@@ -202,7 +218,7 @@ class HostPath(PackedPath):
                 if joined is None:
                     break
                 run, end = joined, end + 1
-            self.ctx.allreduce(ks[start], run, call)
+            self.reduce_buffer(ks[start], run, call)
             t2 = time.perf_counter()
             self.ctx.record(call, ks[start:end], t0, t0, t2, t2)
             start = end
@@ -211,6 +227,37 @@ class HostPath(PackedPath):
         """The 1-D view over bucket ``k``'s gradients where they lie, if it can be reduced so."""
         f = self.ctx.plan.buffers[k]
         return f.in_place(call.members(f)) if call.dense(f) else None
+
+
+class HalfPath(HostPath):
+    """float16 and bfloat16 host buckets: sent as 16 bits, each rank summing one slice in float32.
+
+    MPI has no half-precision sum; summing in float32 on our side (the
+    compressed path's way) sends half the bytes of a float32 buffer, needs no
+    cast, and reduces contiguous gradients where they lie.
+    """
+
+    def __init__(self, ctx: Context, dtype: np.dtype) -> None:
+        super().__init__(ctx)
+        self._summer = wire.SliceSum(ctx.comm, wire.half_format(dtype), transport.CHUNK_BYTES, "alltoall")
+
+    def reduce_buffer(self, k: int, buf: Any, call: Call) -> None:
+        """Sum ``buf`` slice by slice in float32, scaled, rounded once."""
+        if call.void:
+            return
+        ctx, summer = self.ctx, self._summer
+        check = call.finite_check(ctx.plan.buffers[k].limit)
+
+        def chunks() -> int:
+            calls = 0
+            for start in range(0, buf.shape[0], summer.step):
+                chunk = buf[start : start + summer.step]
+                calls += summer(chunk, call.scale)
+                if check is not None:
+                    check(chunk)
+            return calls
+
+        ctx.instrument.stats.messages += ctx.instrument.collective(ctx.describe(k), call.number, chunks)
 
 
 class CompressedPath(PackedPath):
@@ -351,20 +398,28 @@ class SparsePath:
             ctx.instrument.event("allgather", t0, time.perf_counter(), call=call.number, index=i)
 
 
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether host arrays ``a`` and ``b`` are the same elements (same start, same length)."""
+    return a.shape == b.shape and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+
+
 def assign(ctx: Context) -> list[Any]:
     """The path of each bucket of ``ctx.plan`` (one object per kind, one per device)."""
-    host, packed = HostPath(ctx), PackedPath(ctx)
+    host = HostPath(ctx)
     compressed = CompressedPath(ctx) if ctx.compression is not None else None
     devices: dict[str, DevicePath] = {}
+    halves: dict[str, HalfPath] = {}
     paths: list[Any] = []
     for f in ctx.plan.buffers:
         b = f.bucket
         if not backend.is_host(b.device):
             paths.append(devices.setdefault(b.device, DevicePath(ctx, b.device)))
-        elif compressed is not None and b.wire_dtype == ctx.compression.wire_dtype:
+        elif compressed is not None and b.dtype != b.wire_dtype:
             paths.append(compressed)
+        elif b.wire_dtype.itemsize == 2:
+            paths.append(halves.setdefault(b.wire_dtype.name, HalfPath(ctx, b.wire_dtype)))
         else:
-            paths.append(host if f.native else packed)
+            paths.append(host)
     return paths
 
 

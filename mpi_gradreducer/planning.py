@@ -143,7 +143,7 @@ def make_plan(
     reverse: bool = False,
     first_bucket_bytes: int | None = None,
     exclude: Sequence[bool] = (),
-    wire_dtype=reduction_dtype,
+    wire_dtype=lambda dtype, device: reduction_dtype(dtype),
 ) -> tuple[Bucket, ...]:
     """Group parameters into buckets, deterministically.
 
@@ -163,7 +163,8 @@ def make_plan(
         first_bucket_bytes: a smaller cap for the first bucket, so that
             communication can start early.
         exclude: per parameter, True to leave it out of every bucket.
-        wire_dtype: maps a parameter dtype to the dtype MPI sums.
+        wire_dtype: maps a parameter's dtype and device to the dtype its bucket
+            travels in.
 
     Returns:
         The buckets.
@@ -177,7 +178,7 @@ def make_plan(
         if spec.size == 0 or (exclude and exclude[i]):
             continue
         dtype = np.dtype(spec.dtype)
-        nbytes = spec.size * np.dtype(wire_dtype(dtype)).itemsize
+        nbytes = spec.size * np.dtype(wire_dtype(dtype, spec.device)).itemsize
         key = (ids[i], spec.device, dtype.str, dtype.name)
         alone = ids[i] == 0 or nbytes >= direct_bytes
         b = None if alone else open_for.get(key)
@@ -204,7 +205,7 @@ def make_plan(
                 offsets=offsets,
                 sizes=sizes,
                 dtype=dtype,
-                wire_dtype=np.dtype(wire_dtype(dtype)),
+                wire_dtype=np.dtype(wire_dtype(dtype, params[members[0]].device)),
                 device=params[members[0]].device,
                 fusion_id=ids[members[0]],
             )
