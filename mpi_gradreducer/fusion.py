@@ -90,6 +90,11 @@ class FusionBuffer:
         """
         if not self._host:
             return self._device_copy(members, scale, True, skip)
+        if self.native and scale == 1.0 and not skip:
+            copyto = np.copyto
+            for v, g in zip(self.views, members):  # the common case: one C call per member, nothing else
+                copyto(g, v)
+            return 0
         for k, (v, g) in enumerate(zip(self.views, members)):
             if not (skip and skip[k]):
                 scaled_copy(v, g, scale, self._compute_dtype)

@@ -60,8 +60,8 @@ class Context:
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
         self._message: Any = None  # the carrier's first message: header, then its head
-        if carried and first is not None and first.count <= self.head_count():
-            # a small first bucket is packed straight behind the header: no copy in or out
+        self._packs_behind_header = carried and first is not None and first.count <= self.head_count()
+        if self._packs_behind_header:  # a small first bucket is packed straight behind the header: no copies
             plan.buffers[0].allocate(self._first_message()[control.lead(first.wire_dtype):])
 
     def _first_message(self) -> Any:
@@ -76,18 +76,20 @@ class Context:
         b = self.plan.buffers[0].bucket
         return min(b.count, max(1, HEAD_BYTES // b.wire_dtype.itemsize))
 
-    def first_message(self, call: Call, head: Any = None) -> None:
+    def first_message(self, call: Call, head: Any = None, packed: bool = False) -> None:
         """Sum the header (and the carrier's first elements, ``head``; zeros if None) and settle the call.
 
-        Raises on every rank when some rank's input is bad; nothing of the
-        caller's has been modified then.
+        ``packed``: ``head`` is the start of the carrier's own buffer, which
+        may lie right behind the header already. Raises on every rank when
+        some rank's input is bad; nothing of the caller's has been modified
+        then.
         """
         b = self.plan.buffers[0].bucket
         lead = control.lead(b.wire_dtype)
         msg = self._first_message()
         call.local.write(control.real_view(msg[:lead]))
         body = msg[lead:]
-        same = head is not None and _same_memory(head, body)  # packed straight behind the header
+        same = packed and self.plan.buffers[0].buffer.base is msg  # packed straight behind the header
         if head is None:
             body[...] = 0
         elif not same:
@@ -116,7 +118,7 @@ class Context:
             return data
         m = self.head_count()
         if call.head == "pending":
-            self.first_message(call, data[:m])
+            self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer)
             call.head = "sent"
         return data[m:]
 
@@ -396,11 +398,6 @@ class SparsePath:
                     check(result.values.reshape(-1))
             call.grads[i] = result
             ctx.instrument.event("allgather", t0, time.perf_counter(), call=call.number, index=i)
-
-
-def _same_memory(a: Any, b: Any) -> bool:
-    """Whether host arrays ``a`` and ``b`` are the same elements (same start, same length)."""
-    return a.shape == b.shape and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
 
 
 def assign(ctx: Context) -> list[Any]:

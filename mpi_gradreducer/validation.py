@@ -180,6 +180,10 @@ def _aliasing_error(
             if error is not None:
                 return error
         return None
+    mine = [grads[i] for i in indices if grads[i] is not own[i]]
+    if all(g.base is None for g in mine) and len(set(map(id, mine))) == len(mine) \
+            and buffers.isdisjoint(map(id, mine)):
+        return None  # distinct arrays that own their memory (the common case), checked in C-level loops
     seen: set[int] = set()
     shared = False
     for i in indices:
