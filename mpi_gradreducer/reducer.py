@@ -271,10 +271,14 @@ class DistributedGradReducer:
         Returns on every rank once every rank has joined. Each call made
         meanwhile by the other ranks is averaged over the ranks that
         contributed to it (``contributors``; with an explicit ``degree``
-        the divisor stays). The reducer is usable afterwards.
+        the divisor stays). The reducer is usable afterwards. The views of
+        ``allocate_grads`` serve as this rank's zeros: they hold zeros
+        afterwards. Waiting for the others' next call is no stall to the
+        watchdog, however long they compute.
         """
         while True:
-            call = self._start(None)
+            with self._instrument.unwatched():  # the header: the others may still be computing
+                call = self._start(None)
             if call.void:
                 self.contributors = 0
                 return

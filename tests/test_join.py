@@ -10,6 +10,15 @@ every rank makes the same skip decisions.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -221,3 +230,59 @@ def test_bad_input_on_a_contributing_rank_raises_everywhere_while_others_join():
             for b, g in zip(before, grads):
                 assert b.tobytes() == g.tobytes()
             reducer.join()
+
+
+# -- the watchdog: whole jobs, launched from a single process -------------------------------
+
+JOB = Path(__file__).resolve().parent / "jobs" / "join_stall.py"
+MPIEXEC = next((str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.is_file()), shutil.which("mpiexec"))
+#: Hard limit on one job; past it every process of the job is killed and the test fails.
+JOB_LIMIT = 60.0
+
+needs_jobs = pytest.mark.skipif(MPIEXEC is None or WORLD.Get_size() > 1,
+                                reason="launches its own MPI jobs with mpiexec: run from a single process")
+
+
+def _job(*args: str) -> tuple[int, str, str]:
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_GRADREDUCER_", "MPI4PY_"))
+           and k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = str(root)
+    proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", str(JOB), *args],
+                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=JOB_LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end within {JOB_LIMIT:g} s and was killed\n{out}\n{err}")
+    return proc.returncode, out, err
+
+
+@pytest.mark.slow
+@needs_jobs
+def test_a_joined_rank_waiting_for_slow_ranks_is_no_stall():
+    # Each call comes 2 s after the last: longer than the timeout (1.5 s) that the joined rank would apply.
+    code, out, err = _job("--pace", "2", "--steps", "3")
+    assert code == 0, out + err
+    assert "has waited" not in err and "Aborting" not in err, err
+    assert sorted(re.findall(r"rank (\d): finished, contributors 0", out)) == ["0", "1", "2"], out
+    assert out.count("contributors 2\n") == 6, out
+
+
+@pytest.mark.slow
+@needs_jobs
+def test_a_stall_while_a_rank_has_joined_is_still_found():
+    t0 = time.monotonic()
+    code, out, err = _job("--stall-rank", "1", "--stall-at", "2", "--sleep", "120", "--timeout", "4",
+                          "--stall-warning", "1")
+    assert code != 0 and time.monotonic() - t0 < 40, out + err
+    # Rank 0 waits in call 2 and names rank 1 alone: the joined rank 2 waits in the same collective.
+    warned = re.search(r"mpi_gradreducer: rank 0: call 2, (.*) has waited [\d.]+ s \(stall_warning=1 s\); "
+                       r"missing ranks: 1 \[rank 1: not in a collective since call 1\]; still waiting", err)
+    assert warned, err
+    assert re.search(r"rank 0: call 2, .* has not completed after [\d.]+ s \(timeout=4 s\); "
+                     r"missing ranks: 1 \[rank 1: not in a collective since call 1\]\. Aborting the job\.", err), err
+    assert "rank 2: call" not in err, err  # the joined rank never warns
