@@ -185,12 +185,13 @@ def test_allgather_into_strided_params_and_skipped_ones_left_alone():
 def test_bad_grads_on_one_rank_raise_everywhere_before_anything_moves():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     bad = size - 1
+    at = (lambda r: f"rank {r}: ") if size > 1 else (lambda r: "")  # one process raises its own error
     with DistributedGradReducer(_params(), bucket_bytes=8 << 10) as reducer:
         grads = _grads()
         if rank == bad:
             grads[6] = np.zeros((64, 63))
         before = [g.copy() for g in grads]
-        with pytest.raises(ValueError, match=rf"rank {bad}: grads\[6\]: expected shape \(64, 64\) "
+        with pytest.raises(ValueError, match=at(bad) + r"grads\[6\]: expected shape \(64, 64\) "
                                              r"\(as parameter 6\), got \(64, 63\)"):
             reducer.reduce_scatter(grads)
         for b, g in zip(before, grads):
@@ -198,19 +199,19 @@ def test_bad_grads_on_one_rank_raise_everywhere_before_anything_moves():
         grads = _grads()
         if rank == 0:
             grads[0] = RowSparse(np.array([1]), np.ones((1, 30)), (40, 30))
-        with pytest.raises(TypeError, match=r"rank 0: grads\[0\]: reduce_scatter\(\) takes dense arrays only"):
+        with pytest.raises(TypeError, match=at(0) + r"grads\[0\]: reduce_scatter\(\) takes dense arrays only"):
             reducer.reduce_scatter(grads)
         shard = reducer.reduce_scatter(_grads())  # usable afterwards
         params = _params()
         before = [p.copy() for p in params]
         if rank == bad:
             params[3] = np.zeros(7, np.float32)
-        with pytest.raises(TypeError, match=rf"rank {bad}: params\[3\]: expected dtype float64 \(as parameter 3\), "
+        with pytest.raises(TypeError, match=at(bad) + r"params\[3\]: expected dtype float64 \(as parameter 3\), "
                                             r"got float32"):
             shard.allgather(params)
         if rank == 0:
             params = params[:-1]
-        with pytest.raises(ValueError, match=r"rank 0: params: expected 8 arrays"):
+        with pytest.raises(ValueError, match=at(0) + r"params: expected 8 arrays"):
             shard.allgather(params)
         for b, p in zip(before, _params()):
             assert b.tobytes() == p.tobytes()
