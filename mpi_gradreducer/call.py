@@ -95,7 +95,7 @@ class Call:
 
 
 def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None, *, check_finite: bool,
-              asynchronous: bool = False) -> Call:
+              asynchronous: bool = False, sharded: bool = False) -> Call:
     """A call of ``grads`` (validated into ``checked``), or of a joined rank (``checked`` None).
 
     A joined rank contributes zeros: the reducer's own views when it has
@@ -104,7 +104,7 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
     """
     if checked is None:
         local = control.Local(number, contributing=False, views=plan.own_count == len(plan.checked) > 0,
-                              asynchronous=asynchronous)
+                              asynchronous=asynchronous, sharded=sharded)
         work: list[Any] = [None] * len(plan.specs)
         for i in plan.checked:
             view = plan.own_views[i]
@@ -112,7 +112,8 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
                 view[...] = 0
             work[i] = view if view is not None else zeros(plan.specs[i])
         return Call(number, work, local, check_finite)
-    local = control.Local(number, checked.error, True, checked.sparse, checked.absent, checked.views, asynchronous)
+    local = control.Local(number, checked.error, True, checked.sparse, checked.absent, checked.views, asynchronous,
+                          sharded)
     if checked.error is not None:
         return Call(number, grads, local, grads, check_finite)
     work = checked.arrays

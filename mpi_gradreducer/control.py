@@ -5,7 +5,8 @@ valid, whether it contributes data (a rank that has called ``join()`` does
 not), whether it needs a closer look (it passed ``None`` for some gradient),
 whether it passes the reducer's own bucket views for every gradient (only
 then may consecutive buckets be reduced as one run, since that changes the
-messages), and three 8-bit digests of the call's structure (the call number
+messages), whether it started the call with ``begin()`` and whether with
+``reduce_scatter()`` (its messages differ from a plain call's), and three 8-bit digests of the call's structure (the call number
 and where its ``RowSparse`` entries are) with their squares. They are *summed* across
 ranks together with the call's first message: the header occupies a few
 leading elements of that message's buffer (:data:`SLOTS` real values), so a
@@ -38,14 +39,15 @@ from .dtypes import digest
 
 __all__ = ["SLOTS", "CallInfo", "Local", "Summary", "carries", "exchange", "lead", "real_view", "settle"]
 
-#: Real values in a header: failed, contributing, attention, views, asynchronous, 3 digests, 3 squares.
-SLOTS = 11
+#: Real values in a header: failed, contributing, attention, views, asynchronous, sharded, 3 digests, 3 squares.
+SLOTS = 12
 _DIGESTS = 3
 #: Ranks beyond which float32 sums of the squared 8-bit digests are no longer exact.
 _FLOAT32_RANKS = (1 << 24) // (255 * 255)
 
-#: Per-parameter flags exchanged by :func:`settle`.
+#: Per-parameter flags exchanged by :func:`settle`, after its fixed columns (call, contributing, asynchronous, sharded).
 DENSE, ABSENT, SPARSE = 0, 1, 2
+_FIXED = 4
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class Local:
         views: every gradient is the reducer's own bucket view.
         asynchronous: the call was started by ``begin()``: the header went
             ahead of the data, and every bucket is sent in full.
+        sharded: the call was started by ``reduce_scatter()``: the header
+            went ahead of the data, and each bucket is reduce-scattered.
     """
 
     call: int
@@ -70,13 +74,15 @@ class Local:
     absent: tuple[int, ...] = ()
     views: bool = False
     asynchronous: bool = False
+    sharded: bool = False
 
     def values(self) -> list[int]:
         """The header's integers (a joined rank's digests are zero: it knows no structure)."""
         on = self.contributing and self.error is None
-        digests = _digests([self.call, int(self.asynchronous), *self.sparse]) if on else [0] * _DIGESTS
+        kind = int(self.asynchronous) + 2 * int(self.sharded)
+        digests = _digests([self.call, kind, *self.sparse]) if on else [0] * _DIGESTS
         return [int(self.error is not None), int(self.contributing), int(bool(self.absent)), int(self.views),
-                int(self.asynchronous), *digests, *(d * d for d in digests)]
+                int(self.asynchronous), int(self.sharded), *digests, *(d * d for d in digests)]
 
     def write(self, slots: np.ndarray) -> None:
         """Store the header in the first :data:`SLOTS` real values of ``slots``."""
@@ -93,6 +99,7 @@ class Summary:
     attention: int
     views: int
     asynchronous: int
+    sharded: int
     agree: bool
 
     @classmethod
@@ -100,9 +107,9 @@ class Summary:
         """Read summed header values."""
         v = [int(round(float(x))) for x in sums[:SLOTS]]
         contributors = v[1]
-        agree = all(contributors * v[5 + _DIGESTS + j] == v[5 + j] ** 2 for j in range(_DIGESTS))
+        agree = all(contributors * v[6 + _DIGESTS + j] == v[6 + j] ** 2 for j in range(_DIGESTS))
         return cls(failed=v[0], contributors=contributors, attention=v[2], views=v[3], asynchronous=v[4],
-                   agree=agree)
+                   sharded=v[5], agree=agree)
 
     def healthy(self, size: int) -> bool:
         """Every rank valid, contributing, with the same structure, and no None anywhere."""
@@ -120,6 +127,7 @@ class CallInfo:
         runs: every rank passes the reducer's own views, so that consecutive
             buckets may be reduced as one run.
         asynchronous: the contributing ranks started the call with ``begin()``.
+        sharded: the contributing ranks started the call with ``reduce_scatter()``.
     """
 
     contributors: int
@@ -127,6 +135,7 @@ class CallInfo:
     absent: tuple[int, ...] = ()
     runs: bool = False
     asynchronous: bool = False
+    sharded: bool = False
 
 
 def carries(dtype: np.dtype, size: int) -> bool:
@@ -172,18 +181,19 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
 
     Raises:
         ValueError, TypeError: the failing rank's error, or a disagreement
-            between contributing ranks, on every rank.
+            between contributing ranks, on every rank; ``ValueError`` on every
+            rank for ``reduce_scatter()`` while some rank has joined.
     """
     size = comm.Get_size()
-    runs, asynchronous = summary.views == size, summary.asynchronous > 0
+    runs, asynchronous, sharded = summary.views == size, summary.asynchronous > 0, summary.sharded > 0
     if summary.healthy(size):
-        return CallInfo(size, local.sparse, runs=runs, asynchronous=asynchronous)
+        return CallInfo(size, local.sparse, runs=runs, asynchronous=asynchronous, sharded=sharded)
     if summary.failed:
         agreement.raise_if_any(comm, local.error)
-    row = np.zeros(3 + count, dtype=np.int64)
-    row[0], row[1], row[2] = local.call, int(local.contributing), int(local.asynchronous)
-    row[3 + np.asarray(local.absent, dtype=np.int64)] = ABSENT
-    row[3 + np.asarray(local.sparse, dtype=np.int64)] = SPARSE
+    row = np.zeros(_FIXED + count, dtype=np.int64)
+    row[0], row[1], row[2], row[3] = local.call, int(local.contributing), int(local.asynchronous), int(local.sharded)
+    row[_FIXED + np.asarray(local.absent, dtype=np.int64)] = ABSENT
+    row[_FIXED + np.asarray(local.sparse, dtype=np.int64)] = SPARSE
     table = np.empty((size, row.shape[0]), dtype=np.int64)
     comm.Allgather(row, table)
     active = np.flatnonzero(table[:, 1])
@@ -196,18 +206,31 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
                 f"the ranks are at different calls: rank {active[0]} at call {first[0]}, rank {r} at call "
                 f"{table[r, 0]}; a rank skipped or repeated a call (every rank must call the reducer "
                 "equally often; use join() on a rank that has run out of data)")
+        if table[r, 3] != first[3]:
+            raise ValueError(
+                f"the ranks started call {first[0]} differently: rank {active[(table[active, 3] == 1).argmax()]} "
+                f"with reduce_scatter(), rank {active[(table[active, 3] == 0).argmax()]} with a plain call "
+                "(reducer(grads), begin() or reduce_async()); start each call the same way on every rank")
         if table[r, 2] != first[2]:
             raise ValueError(
                 f"the ranks started call {first[0]} differently: rank {active[(table[active, 2] == 1).argmax()]} "
                 f"with begin() or reduce_async(), rank {active[(table[active, 2] == 0).argmax()]} with a "
                 "blocking call; start each call the same way on every rank")
-        if not np.array_equal(table[r, 3:] == SPARSE, first[3:] == SPARSE):
+        if not np.array_equal(table[r, _FIXED:] == SPARSE, first[_FIXED:] == SPARSE):
             raise ValueError(
                 "the ranks passed differently structured arguments (e.g. a RowSparse entry "
                 "on one rank where another passed a dense array); pass the same structure on every rank")
-    flags = table[active, 3:]
-    return CallInfo(int(active.shape[0]), tuple(int(i) for i in np.flatnonzero(first[3:] == SPARSE)),
-                    tuple(int(i) for i in np.flatnonzero((flags == ABSENT).all(axis=0))), runs, asynchronous)
+    if first[3] and active.shape[0] < size:
+        joined = [int(r) for r in np.flatnonzero(table[:, 1] == 0)]
+        raise ValueError(
+            f"reduce_scatter() (call {first[0]}) while rank{'s' if len(joined) > 1 else ''} "
+            f"{', '.join(map(str, joined))} {'have' if len(joined) > 1 else 'has'} joined: reduce_scatter with "
+            "joined ranks is not supported (each rank owns a part of every bucket); call it on every rank, "
+            "or use the plain call while ranks join")
+    flags = table[active, _FIXED:]
+    return CallInfo(int(active.shape[0]), tuple(int(i) for i in np.flatnonzero(first[_FIXED:] == SPARSE)),
+                    tuple(int(i) for i in np.flatnonzero((flags == ABSENT).all(axis=0))), runs, asynchronous,
+                    bool(first[3]))
 
 
 def _digests(values: Sequence[int]) -> list[int]:

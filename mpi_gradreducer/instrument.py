@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,21 @@ class Instrument:
         self._timeline = Timeline(comm, options.timeline) if options.timeline else None
         self._watchdog: Watchdog | None = Watchdog(comm, options.timeout, options.stall_warning,
                                                    hook=options.abort_on_exception)
+        self._unwatched = False
+
+    @contextmanager
+    def unwatched(self) -> Iterator[None]:
+        """Collectives made inside are reported to the other ranks' questions, but never timed.
+
+        For a rank in ``join()`` waiting for the others' next call: however
+        long they compute, that wait is no stall (a stall inside the call is
+        still found by the ranks that wait in it, this one included).
+        """
+        self._unwatched = True
+        try:
+            yield
+        finally:
+            self._unwatched = False
 
     def collective(self, what: Callable[[], str], call: int, fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> Any:
@@ -63,7 +79,7 @@ class Instrument:
         wd = self._watchdog
         if wd is None:
             return fn(*args, **kwargs)
-        wd.arm(what, call)
+        wd.arm(what, call, not self._unwatched)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import agreement, config, control, paths
+from . import agreement, config, control, paths, shard
 from .compression import get_compression
 from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from .call import Call, close, open_call, settle
@@ -144,6 +144,7 @@ class DistributedGradReducer:
         self.contributors = self._comm.Get_size()
         self._calls = 0
         self._active: ReductionStep | None = None
+        self._sharder: shard.Sharder | None = None
         self._overlap = Overlap(self._comm, self.progress == "thread")
 
     # -- construction steps -----------------------------------------------------------
@@ -248,6 +249,20 @@ class DistributedGradReducer:
         step.mark_all_ready()
         return step
 
+    def reduce_scatter(self, grads: Sequence[Any]) -> shard.Shard:
+        """Like ``reducer(grads)``, but this rank receives only its pieces of the result (collective).
+
+        For ZeRO-style sharded optimizers (:mod:`mpi_gradreducer.shard`): ``shard.allgather(params)`` then
+        shares the updated pieces; ``grads`` are left as they are. Raises ``ValueError``/``TypeError`` on
+        every rank for bad gradients on any rank (arrays only, validated as by the blocking call), for a
+        rank in ``join()``, or for a plain call on another rank.
+        """
+        call = self._start(grads, sharded=True)
+        self._sharder = shard.Sharder.of(self._sharder, self._comm, self._plan, self._instrument)
+        result = self._sharder.reduce_scatter(call)
+        self._finish(call)
+        return result
+
     def free(self) -> None:
         """Write the timeline, release the communicators and threads (collective). Idempotent."""
         self._overlap.close()
@@ -263,18 +278,14 @@ class DistributedGradReducer:
     def __exit__(self, *exc: Any) -> None:
         self.free()
 
-    # -- one call ---------------------------------------------------------------------
-
     def join(self) -> None:
         """This rank has no more data: take part in the other ranks' calls with nothing (collective).
 
-        Returns on every rank once every rank has joined. Each call made
-        meanwhile by the other ranks is averaged over the ranks that
-        contributed to it (``contributors``; with an explicit ``degree``
-        the divisor stays). The reducer is usable afterwards.
-        """
+        Returns on every rank once all have joined; each call meanwhile is averaged over its ``contributors``
+        (an explicit ``degree`` stays the divisor). Usable afterwards; ``allocate_grads`` views hold zeros."""
         while True:
-            call = self._start(None)
+            with self._instrument.unwatched():  # the header: the others may still be computing
+                call = self._start(None)
             if call.void:
                 self.contributors = 0
                 return
@@ -284,7 +295,7 @@ class DistributedGradReducer:
 
     # -- one call ---------------------------------------------------------------------
 
-    def _start(self, grads: Any, asynchronous: bool = False) -> Call:
+    def _start(self, grads: Any, asynchronous: bool = False, sharded: bool = False) -> Call:
         """Validate ``grads`` (None: this rank has joined), open the call, read its header if it goes ahead."""
         if self._active is not None and not self._active.closed:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
@@ -299,9 +310,10 @@ class DistributedGradReducer:
                     pass  # named by the checks, on every rank
             aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
             checked = check_grads(grads, self._plan, aliasing)
+            checked = shard.arrays_only(checked) if sharded else checked
         self._calls += 1  # on every rank, whether or not the call then raises
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
-                         asynchronous=asynchronous)
+                         asynchronous=asynchronous, sharded=sharded)
         call.settle = lambda summary: self._instrument.collective(
             lambda: "the reading of the call header", call.number, settle, call, self._comm, self.options,
             self._plan, summary)
@@ -309,9 +321,9 @@ class DistributedGradReducer:
             call.settle(self._instrument.collective(lambda: "the call header", call.number,
                                                     control.exchange, self._comm, call.local))
             call.head = "ahead"
-        elif grads is None or asynchronous or call.local.error is not None:
+        elif grads is None or asynchronous or sharded or call.local.error is not None:
             self._ctx.first_message(call)  # the header with zeros: the same message as the others send
-            call.head = "ahead" if call.info.asynchronous else "sent"
+            call.head = "ahead" if call.info.asynchronous or call.info.sharded else "sent"
         self.nonfinite = False
         return call
 

@@ -111,17 +111,21 @@ class Watchdog:
         # Also run at interpreter exit (before mpi4py finalizes MPI) and when the reducer is dropped unfreed.
         self._finalizer = weakref.finalize(self, _stop, self._guard, thread, hooked)
 
-    def arm(self, what: Callable[[], str], call: int) -> None:
+    def arm(self, what: Callable[[], str], call: int, watch: bool = True) -> None:
         """Start timing a collective.
 
         Args:
             what: describes the collective, e.g. ``"bucket 0 (4096 bytes)"``;
                 called only when a diagnostic or another rank asks.
             call: the number of the reducer call it belongs to (from 1).
+            watch: False for a wait that is no stall however long it lasts
+                (a rank in ``join()`` waiting for the others' next call): the
+                collective is reported to the other ranks' questions, but
+                never warned about nor aborted.
         """
         guard = self._guard
         guard.call = call
-        guard.armed = (time.monotonic(), what, call)
+        guard.armed = (time.monotonic(), what, call, watch)
 
     def disarm(self) -> None:
         """Stop timing: the collective finished."""
@@ -150,8 +154,8 @@ class _Guard:
         self.timeout = timeout
         self.stall_warning = stall_warning
         self.rank = rank
-        #: (armed at, description, call) of the collective in progress, or None.
-        self.armed: tuple[float, Callable[[], str], int] | None = None
+        #: (armed at, description, call, watched) of the collective in progress, or None.
+        self.armed: tuple[float, Callable[[], str], int, bool] | None = None
         self.stop = threading.Event()
         limits = [s for s in (timeout, stall_warning) if s is not None]
         self.poll = min(MAX_POLL, max(min(limits, default=MAX_POLL) / 8, 0.01))
@@ -163,7 +167,7 @@ class _Guard:
         armed = self.armed
         if armed is None:
             return Report(self.call, None, 0.0)
-        since, what, call = armed
+        since, what, call, _ = armed
         return Report(call, _describe(what, call), time.monotonic() - since)
 
     def run(self) -> None:
@@ -176,6 +180,8 @@ class _Guard:
                 inquiry = None  # the collective finished meanwhile
                 if armed is None:
                     continue
+            if not armed[3]:
+                continue  # reported when asked, never timed
             waited = time.monotonic() - armed[0]
             if inquiry is None:
                 final = self.timeout is not None and waited >= self.timeout
@@ -191,14 +197,14 @@ class _Guard:
             inquiry, warned = None, armed
             self._diagnose(armed, waited, warning)
 
-    def _diagnose(self, armed: tuple[float, Callable[[], str], int], waited: float, warning: bool) -> None:
+    def _diagnose(self, armed: tuple[float, Callable[[], str], int, bool], waited: float, warning: bool) -> None:
         """Print the warning (when ``warning``) and, past the timeout, the final diagnosis, and abort.
 
         When the replies to a warning's inquiry come in after the timeout (a
         rank that does not answer costs the whole reply window), the same
         replies serve for the final diagnosis, which follows at once.
         """
-        _, what, call = armed
+        _, what, call, _ = armed
         mine = Report(call, _describe(what, call), waited)
         inspector = self.inspector
         if not inspector.available:

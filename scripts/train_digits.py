@@ -9,11 +9,15 @@ each global batch; the initial weights come from rank 0 through
     mpiexec -n 4 python scripts/train_digits.py
     mpiexec -n 4 python scripts/train_digits.py --plot curves.png --timeline trace.json
     mpiexec -n 4 python scripts/train_digits.py --check-equivalence
+    mpiexec -n 4 python scripts/train_digits.py --shard --uneven
 
 ``--check-equivalence`` trains in float64 for a few steps twice: with the
 ranks sharing every batch, and alone on the whole batch (each rank computes
 the latter by itself, without communication); the parameters must agree to
-1e-10. Needs the ``examples`` extra (scikit-learn, tqdm, matplotlib).
+1e-10. ``--shard`` does the same for a sharded optimizer (``reduce_scatter``,
+momentum for this rank's pieces only, ``allgather``) against the unsharded one;
+``--uneven`` gives the ranks different numbers of batches and ends the epoch
+with ``join()``, against one process. Needs the ``examples`` extra (scikit-learn, tqdm, matplotlib).
 """
 
 from __future__ import annotations
@@ -412,6 +416,109 @@ def check_equivalence(
     return float(diff[0])
 
 
+def check_shard(
+    comm: MPI.Intracomm, data: Data, steps: int = 30, batch_size: int = 64, seed: int = 0,
+    lr: float = 0.05, momentum: float = 0.9,
+) -> tuple[float, int, int]:
+    """A sharded optimizer against the unsharded one, in float64 (collective).
+
+    Both train the same model from the same weights on the same global batches
+    (each rank on its share). The unsharded one averages with ``reducer(grads)``
+    and keeps momentum for every parameter; the sharded one calls
+    ``reducer.reduce_scatter(grads)``, keeps momentum only for this rank's
+    pieces, updates those elements and shares them with ``shard.allgather``.
+
+    Returns:
+        The largest absolute difference between their parameters over all
+        ranks, the largest optimizer state of a rank with sharding and the
+        state without it, in bytes (the same on every rank).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    x = data.x_train.astype(np.float64)
+    params = init_params(x.shape[1], 128, 10, seed + rank, np.float64)
+    broadcast_parameters(params, root=0, group=comm)
+    plain = Trainer(comm, [p.copy() for p in params], lr, momentum)
+    reducer = DistributedGradReducer(params, group=comm)
+    grads = reducer.allocate_grads()
+    velocity: dict[tuple[int, int], np.ndarray] = {}  # (parameter, start) -> this rank's piece of momentum
+    per_epoch = len(global_batches(len(x), batch_size, seed, 0))
+    batches = [b for e in range(-(-steps // per_epoch)) for b in global_batches(len(x), batch_size, seed, e)][:steps]
+    for batch in batches:
+        mine = my_share(batch, rank, size)
+        plain.step(x[mine], data.y_train[mine], len(batch))
+        forward_backward(params, x[mine], data.y_train[mine], size / len(batch), grads)
+        shard = reducer.reduce_scatter(grads)
+        for piece in shard:
+            v = velocity.setdefault((piece.index, piece.start), np.zeros_like(piece.grad))
+            v *= momentum
+            v += piece.grad
+            params[piece.index].reshape(-1)[piece.start : piece.stop] -= lr * v
+        shard.allgather(params)
+    reducer.free()
+    plain.free()
+    out = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(plain.params, params)),
+                    sum(v.nbytes for v in velocity.values())])
+    comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
+    return float(out[0]), int(out[1]), sum(v.nbytes for v in plain.optimizer.velocity)
+
+
+def uneven_counts(size: int, steps: int) -> list[int]:
+    """Batches of each rank in ``--uneven``: rank r has ``steps - r`` (and at least none)."""
+    return [max(0, steps - r) for r in range(size)]
+
+
+def check_uneven(
+    comm: MPI.Intracomm, data: Data, steps: int = 30, batch_size: int = 64, seed: int = 0,
+    lr: float = 0.05, momentum: float = 0.9,
+) -> tuple[float, list[int]]:
+    """Ranks with different numbers of batches, ``join()`` at the end, against one process (collective).
+
+    Rank r trains on ``uneven_counts(size, steps)[r]`` batches of its own, then
+    joins; each call averages over the ranks that still have data. Every rank
+    also computes the same steps alone (every contributing rank's gradient,
+    averaged), without communication. After the epoch the parameters of the
+    rank that trained longest are broadcast (a joined rank's stopped changing).
+
+    Returns:
+        The largest absolute difference to the single-process result over all
+        ranks, and the number of contributors of each call (the same on every rank).
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    counts = uneven_counts(size, steps)
+    x = data.x_train.astype(np.float64)
+    params = init_params(x.shape[1], 128, 10, seed + rank, np.float64)
+    broadcast_parameters(params, root=0, group=comm)
+    alone = Momentum([p.copy() for p in params], lr, momentum)
+    optimizer = Momentum(params, lr, momentum)
+    reducer = DistributedGradReducer(params, group=comm)
+    batches = global_batches(len(x), batch_size // size or 1, seed, 0)
+    own = [batches[(c * size + r) % len(batches)] for c in range(steps) for r in range(size)]
+    contributors = []
+    for c in range(max(counts)):
+        active = [r for r in range(size) if counts[r] > c]
+        summed = [np.zeros_like(p) for p in params]
+        for r in active:  # the single-process reference
+            g = [np.zeros_like(p) for p in params]
+            b = own[c * size + r]
+            forward_backward(alone.params, x[b], data.y_train[b], 1 / len(b), g)
+            for s, gi in zip(summed, g):
+                s += gi / len(active)
+        alone.step(summed)
+        if rank in active:
+            grads = [np.zeros_like(p) for p in params]
+            b = own[c * size + rank]
+            forward_backward(params, x[b], data.y_train[b], 1 / len(b), grads)
+            reducer(grads)
+            contributors.append(reducer.contributors)
+            optimizer.step(grads)
+    reducer.join()
+    reducer.free()
+    broadcast_parameters(params, root=int(np.argmax(counts)), group=comm)
+    diff = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(params, alone.params))])
+    comm.Allreduce(MPI.IN_PLACE, diff, op=MPI.MAX)
+    return float(diff[0]), comm.bcast(contributors, root=int(np.argmax(counts)))
+
+
 # -- command line -------------------------------------------------------------------------
 
 
@@ -473,7 +580,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="start reducing each layer's gradients during backward (begin/ready/wait)")
     parser.add_argument("--check-equivalence", action="store_true",
                         help="compare data-parallel with single-process training (float64) and exit")
-    parser.add_argument("--steps", type=int, default=30, help="steps of --check-equivalence")
+    parser.add_argument("--steps", type=int, default=30, help="steps of --check-equivalence, --shard, --uneven")
+    parser.add_argument("--shard", action="store_true",
+                        help="a sharded optimizer (reduce_scatter/allgather) against the unsharded one, and exit")
+    parser.add_argument("--uneven", action="store_true",
+                        help="ranks with different numbers of batches, ending with join(), and exit")
     args = parser.parse_args(argv)
     if args.epochs < 1 or args.batch_size < 1 or args.steps < 1:
         parser.error("--epochs, --batch-size and --steps must be positive")
@@ -484,6 +595,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     data = load_data(args.seed)
     if args.batch_size > len(data.x_train):
         parser.error(f"--batch-size: at most {len(data.x_train)} (the training set), got {args.batch_size}")
+
+    if args.shard or args.uneven:
+        ok = True
+        if args.shard:
+            diff, state, full = check_shard(comm, data, args.steps, args.batch_size, args.seed, args.lr,
+                                            args.momentum)
+            ok = ok and diff <= EQUIVALENCE_TOLERANCE
+            say(f"shard: optimizer state per rank {state} bytes (max over ranks) vs {full} unsharded = 1/"
+                f"{full / state:.2f} ({size} ranks); max |difference| sharded vs unsharded = {diff:.3e} "
+                f"({'ok' if diff <= EQUIVALENCE_TOLERANCE else 'FAILED'}, tolerance {EQUIVALENCE_TOLERANCE:g})")
+        if args.uneven:
+            diff, contributors = check_uneven(comm, data, args.steps, args.batch_size, args.seed, args.lr,
+                                              args.momentum)
+            ok = ok and diff <= EQUIVALENCE_TOLERANCE
+            say(f"uneven: batches per rank {uneven_counts(size, args.steps)}, contributors per call "
+                f"{contributors}; max |difference| vs one process = {diff:.3e} "
+                f"({'ok' if diff <= EQUIVALENCE_TOLERANCE else 'FAILED'}, tolerance {EQUIVALENCE_TOLERANCE:g})")
+        return 0 if ok else 1
 
     if args.check_equivalence:
         diff = check_equivalence(comm, data, args.steps, args.batch_size, args.seed, args.lr, args.momentum)

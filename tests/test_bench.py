@@ -18,7 +18,7 @@ from mpi_gradreducer.bench.torch_methods import torch_ingestion
 
 pytestmark = pytest.mark.mpi
 
-ALWAYS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views")
+ALWAYS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard")
 
 
 def _shared_tempdir() -> str:

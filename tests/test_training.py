@@ -182,3 +182,47 @@ def test_overlapped_steps_give_bitwise_the_same_parameters() -> None:
         results.append([p.copy() for p in params])
     for a, b in zip(*results):
         assert a.tobytes() == b.tobytes()
+
+
+def test_sharded_optimizer_and_uneven_shares_equal_their_references() -> None:
+    data = _synthetic(4)
+    diff, state, full = td.check_shard(WORLD, data, steps=6, batch_size=48)
+    assert diff <= td.EQUIVALENCE_TOLERANCE
+    assert state <= full / WORLD.Get_size() * 1.05 + 8 * 64  # momentum for this rank's pieces only
+    diff, contributors = td.check_uneven(WORLD, data, steps=5, batch_size=48)
+    assert diff <= td.EQUIVALENCE_TOLERANCE
+    counts = td.uneven_counts(WORLD.Get_size(), 5)
+    assert contributors == [sum(n > c for n in counts) for c in range(max(counts))]
+
+
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own 4-rank job: run from a single process")
+@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None
+                    and shutil.which("mpiexec") is None, reason="no mpiexec")
+@needs_sklearn
+def test_command_line_shard_and_uneven_under_mpiexec() -> None:
+    import re
+    import subprocess
+
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_GRADREDUCER_", "MPI4PY_"))
+           and k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = root
+    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", SCRIPT, "--shard", "--uneven",
+                             "--steps", "8"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, err = proc.communicate()
+        pytest.fail(f"the job did not end within 120 s and was killed\n{out}\n{err}")
+    assert proc.returncode == 0, out + err
+    shard = re.search(r"^shard: optimizer state per rank (\d+) bytes \(max over ranks\) vs (\d+) unsharded = "
+                      r"1/([\d.]+) \(4 ranks\); max \|difference\| sharded vs unsharded = (\S+) \(ok", out, re.M)
+    assert shard, out
+    assert 3.8 <= float(shard.group(3)) <= 4.0 and float(shard.group(4)) <= td.EQUIVALENCE_TOLERANCE
+    uneven = re.search(r"^uneven: batches per rank \[8, 7, 6, 5\], contributors per call "
+                       r"\[4, 4, 4, 4, 4, 3, 2, 1\]; max \|difference\| vs one process = (\S+) \(ok", out, re.M)
+    assert uneven and float(uneven.group(1)) <= td.EQUIVALENCE_TOLERANCE, out

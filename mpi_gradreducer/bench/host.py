@@ -29,6 +29,12 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     cross-rank validation (printed as ``< noise`` when it comes out negative).
 ``reducer-views``
     The reducer on the arrays of ``reducer.allocate_grads()`` (no copies).
+``reducer-shard``
+    What a sharded (ZeRO-style) optimizer's step sends with the reducer's
+    plan: ``reducer.reduce_scatter(grads)``, each piece copied into its
+    parameter (standing for the update of this rank's 1/N), then
+    ``shard.allgather(params)``. Reported also as ``reducer-shard / reducer``
+    (the Allreduce of the same plan).
 ``reducer-torch``
     Where torch imports on every rank: the same gradients as torch CPU tensors
     (``torch.from_numpy`` over the numpy arrays) handed straight to a reducer
@@ -77,7 +83,8 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
-METHODS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-torch", "torch-gloo")
+METHODS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard", "reducer-torch",
+           "torch-gloo")
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
 LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
 #: Name of the internal case that times the validation's tiny Allreduce.
@@ -109,6 +116,14 @@ def _per_tensor(comm: MPI.Comm, grads: Sequence[np.ndarray]) -> None:
         np.multiply(g, scale, out=g)
 
 
+def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params: list[np.ndarray]) -> None:
+    """reduce_scatter, this rank's pieces into ``params``, allgather."""
+    shard = reducer.reduce_scatter(grads)
+    for piece in shard:
+        params[piece.index].reshape(-1)[piece.start : piece.stop] = piece.grad
+    shard.allgather(params)
+
+
 def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
     """The numpy reducer methods, and the tiny Allreduce that validation adds."""
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
@@ -121,6 +136,11 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
         views = r.allocate_grads()
         m.cases.append(Case("reducer-views", filler(views, value), lambda r=r, v=views: r(v),
                             lambda v=views: all_close(v, mean)))
+    if "reducer-shard" in methods:
+        r = m.reducers["reducer-shard"] = DistributedGradReducer(grads, group=comm)
+        params = [np.empty_like(g) for g in grads]
+        m.cases.append(Case("reducer-shard", filler(grads, value), lambda r=r: _shard_step(r, grads, params),
+                            lambda: all_close(params, mean)))
     if "reducer" in m.reducers and "reducer-novalidate" in m.reducers:
         # what the agreement of validate="always" sends: one tiny Allreduce
         flag = np.zeros(1, dtype=np.int64)
@@ -173,7 +193,7 @@ def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray]
         m.free()
         raise
     for name, r in m.reducers.items():
-        m.messages[name] = len(r.buckets)
+        m.messages[name] = len(r.buckets) * (2 if name == "reducer-shard" else 1)  # reduce-scatter + allgather
     return m
 
 
@@ -239,7 +259,8 @@ def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -
     """Ratios of medians between pairs of methods that were both timed."""
     pairs = {"torch_over_reducer": ("reducer-torch", "reducer"),
              "reducer_over_one_allreduce": ("reducer", _WHOLE),
-             "always_over_never": ("reducer", "reducer-novalidate")}
+             "always_over_never": ("reducer", "reducer-novalidate"),
+             "shard_over_reducer": ("reducer-shard", "reducer")}
     return {key: results[a]["median_ms"] / results[b]["median_ms"]
             for key, (a, b) in pairs.items() if a in times and b in times}
 
@@ -299,6 +320,9 @@ def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
     if "torch_over_reducer" in res:
         lines.append(f"  reducer-torch / reducer = {res['torch_over_reducer']:.2f} "
                      f"(torch CPU tensors against numpy arrays, same memory)")
+    if "shard_over_reducer" in res:
+        lines.append(f"  reducer-shard / reducer = {res['shard_over_reducer']:.2f} "
+                     f"(reduce_scatter + allgather against the Allreduce of the same plan)")
     if name == "small" and "reducer_over_one_allreduce" in res:
         lines.append(f"  reducer / one Allreduce of all {res['bytes']} bytes = {res['reducer_over_one_allreduce']:.2f}")
     if name == "small" and "always_over_never" in res:
