@@ -14,14 +14,17 @@ from .groups import broadcast_parameters, create_group, local_rank, select_devic
 from .planning import Bucket
 from .sparse import RowSparse
 from .reducer import DistributedGradReducer, ReducerStats
+from .shard import Piece, Shard
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Bucket",
     "DistributedGradReducer",
+    "Piece",
     "ReducerStats",
     "RowSparse",
+    "Shard",
     "broadcast_parameters",
     "create_group",
     "local_rank",

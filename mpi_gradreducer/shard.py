@@ -31,7 +31,7 @@ from mpi4py import MPI
 
 from . import agreement, backend
 from .call import Call
-from .dtypes import scaled_copy
+from .dtypes import reduction_dtype, scaled_copy
 from .fusion import FusionPlan
 from .instrument import Instrument
 from .planning import Bucket
@@ -142,7 +142,8 @@ class Sharder:
         for s in self.spans:
             b = buckets[s.bucket]
             self._own[s.bucket].append((s, b.offsets[b.indices.index(s.index)]))
-        self._received: list[np.ndarray | None] = [None] * len(buckets)  # this rank's slice, wire dtype
+        self._received: list[np.ndarray | None] = [None] * len(buckets)  # this rank's slice, summed dtype
+        self._wide: list[np.ndarray | None] = [None] * len(buckets)  # half buckets widened to float32
         self._results: list[Any] = [None] * len(buckets)  # the same, scaled, in the members' dtype
         self._gathered: list[np.ndarray | None] = [None] * len(buckets)  # a whole bucket, members' dtype
 
@@ -165,10 +166,12 @@ class Sharder:
             send = f.in_place(members) if backend.is_host(b.device) else None
             if send is None:
                 send = self._packed(k, members)
+            if send.dtype.itemsize == 2:  # MPI has no half-precision sum: reduce-scatter in float32
+                send = self._widened(k, send)
             counts = self.counts(k)
             received = self._received[k]
             if received is None:
-                received = self._received[k] = np.empty(counts[self.rank], b.wire_dtype)
+                received = self._received[k] = np.empty(counts[self.rank], reduction_dtype(b.dtype))
             if self.size > 1:
                 self.instrument.collective(lambda k=k: f"reduce-scatter of bucket {k} ({b.nbytes} bytes)",
                                            call.number, self.comm.Reduce_scatter, send, received, counts,
@@ -190,6 +193,14 @@ class Sharder:
                        for s in self.spans)
         return Shard(self, call.number, pieces)
 
+    def _widened(self, k: int, half: np.ndarray) -> np.ndarray:
+        """Bucket ``k``'s 16-bit buffer in float32 (a buffer kept for the bucket)."""
+        wide = self._wide[k]
+        if wide is None:
+            wide = self._wide[k] = np.empty(half.shape[0], np.float32)
+        scaled_copy(half, wide)
+        return wide
+
     def _packed(self, k: int, members: Sequence[Any]) -> np.ndarray:
         """Bucket ``k``'s members in one host buffer of its wire dtype."""
         f = self.plan.buffers[k]
@@ -204,14 +215,14 @@ class Sharder:
     def _scaled(self, k: int, received: np.ndarray, scale: float) -> Any:
         """This rank's slice of bucket ``k``, scaled and in the members' dtype (rounded once), on their device."""
         b = self.plan.buffers[k].bucket
-        if b.dtype == b.wire_dtype:
+        if b.dtype == received.dtype:
             scaled_copy(received, received, scale)
             out = received
         else:
             out = self._results[k]
             if out is None or not isinstance(out, np.ndarray):
                 out = np.empty(received.shape[0], b.dtype)
-            scaled_copy(received, out, scale, np.promote_types(b.dtype, b.wire_dtype))
+            scaled_copy(received, out, scale, received.dtype)
         if not backend.is_host(b.device):
             import cupy
 
