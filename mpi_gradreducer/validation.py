@@ -76,16 +76,16 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
             g = grads[i]
         except Exception as exc:  # a sequence whose items cannot be read
             return Checked(TypeError(f"grads[{i}]: could not be read ({exc!r})"))
-        if g is own[i]:
-            views += 1
-            continue  # the reducer's own view: right shape, dtype and place by construction
-        if g is None:
+        if g is None:  # before the own views, which are None where none was handed out
             if not isinstance(grads, list):
                 return Checked(TypeError(
                     f"grads: a None gradient (grads[{i}]) is replaced by the other ranks' average, "
                     f"so grads must be a list, got {type(grads).__name__}"))
             absent.append(i)
             continue
+        if g is own[i]:
+            views += 1
+            continue  # the reducer's own view: right shape, dtype and place by construction
         spec = specs[i]
         if (type(g) is not np.ndarray or g.shape != spec.shape or g.dtype != spec.dtype
                 or not g.flags.writeable or spec.device != "cpu"):
