@@ -72,32 +72,38 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
     views = 0
     arrays = grads  # becomes a list of views when some entry is another library's array
     for i in plan.checked:
-        g = grads[i]
-        if g is own[i]:
-            views += 1
-            continue  # the reducer's own view: right shape, dtype and place by construction
-        if g is None:
+        try:
+            g = grads[i]
+        except Exception as exc:  # a sequence whose items cannot be read
+            return Checked(TypeError(f"grads[{i}]: could not be read ({exc!r})"))
+        if g is None:  # before the own views, which are None where none was handed out
             if not isinstance(grads, list):
                 return Checked(TypeError(
                     f"grads: a None gradient (grads[{i}]) is replaced by the other ranks' average, "
                     f"so grads must be a list, got {type(grads).__name__}"))
             absent.append(i)
             continue
+        if g is own[i]:
+            views += 1
+            continue  # the reducer's own view: right shape, dtype and place by construction
         spec = specs[i]
         if (type(g) is not np.ndarray or g.shape != spec.shape or g.dtype != spec.dtype
                 or not g.flags.writeable or spec.device != "cpu"):
-            if isinstance(g, RowSparse):
-                sparse.append(i)
-                error = _sparse_mismatch(i, g, spec, grads)
-            else:
-                v = g if type(g) is np.ndarray else interop.view(g, spec.device)
-                if v is not g and v is not None:
-                    if arrays is grads:
-                        arrays = list(grads)
-                    arrays[i] = v
-                    if _fits(v, spec):
-                        continue
-                error = _mismatch(i, g, spec, v)
+            try:
+                if isinstance(g, RowSparse):
+                    sparse.append(i)
+                    error = _sparse_mismatch(i, g, spec, grads)
+                else:
+                    v = g if type(g) is np.ndarray else _host_array(interop.view(g, spec.device))
+                    if v is not g and v is not None:
+                        if arrays is grads:
+                            arrays = list(grads)
+                        arrays[i] = v
+                        if _fits(v, spec) and not _copied(v):
+                            continue
+                    error = _mismatch(i, g, spec, v)
+            except Exception as exc:  # an object whose attributes or protocols raise
+                error = TypeError(f"grads[{i}]: could not be checked ({type(g).__name__}: {exc!r})")
             if error is not None:
                 return Checked(error)
     error = None
@@ -106,6 +112,27 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
         dense = [i for i in plan.bucketed if i not in skip] if skip else plan.bucketed
         error = _aliasing_error(arrays, dense, own, plan.buffer_owners(), foreign=arrays is not grads)
     return Checked(error, tuple(sparse), tuple(absent), views > 0 and views == plan.own_count, arrays)
+
+
+def _host_array(v: Any) -> Any:
+    """``v``, or a plain ``np.ndarray`` view of it when it is of a numpy subclass (``np.matrix``, masked).
+
+    Subclasses change what indexing and reshaping return (a matrix stays 2-D),
+    which the execution paths do not expect; the plain view shares the memory,
+    so that results still land in the caller's array.
+    """
+    if isinstance(v, np.ndarray) and type(v) is not np.ndarray:
+        return v.view(np.ndarray)
+    return v
+
+
+def _copied(v: Any) -> bool:
+    """Whether the host view ``v`` of another object owns its memory: a copy, so results would be lost.
+
+    That is what numpy makes of objects whose ``__array_interface__`` does not
+    point into memory of their own, such as numpy scalars.
+    """
+    return isinstance(v, np.ndarray) and v.base is None
 
 
 def _fits(v: Any, spec: ParamSpec) -> bool:
@@ -118,6 +145,12 @@ def _fits(v: Any, spec: ParamSpec) -> bool:
 def _mismatch(i: int, g: Any, spec: ParamSpec, v: Any) -> Exception | None:
     """Why ``grads[i]`` (``g``, viewed as the array ``v``, None without a view) does not fit parameter ``i``."""
     device = None if v is None else backend.device_of(v)
+    if device is not None and v is not g and _copied(v):
+        return TypeError(
+            f"grads[{i}]: expected an array whose memory results can be written to, got {interop.explain(g)}"
+            f"{' (numpy scalars are immutable: pass a 0-d array)' if isinstance(g, np.generic) else ''}; "
+            f"pass a writeable array of shape {spec.shape} and dtype {spec.dtype} (as parameter {i})"
+        )
     if device is None:
         return TypeError(
             f"grads[{i}]: expected a numpy or cupy array, got {interop.explain(g)}; any array that numpy or "
@@ -186,16 +219,28 @@ def _aliasing_error(
         return None  # distinct arrays that own their memory (the common case), checked in C-level loops
     seen: set[int] = set()
     shared = False
+    borrowed: list[int] = []  # arrays over memory that no numpy array owns
     for i in indices:
         g = grads[i]
         if g is own[i]:
             continue
         base = getattr(g, "base", None)
-        key = id(g) if base is None else id(owner(base))  # most gradients own their memory
+        if base is None:
+            key = id(g)  # most gradients own their memory
+        else:
+            root = owner(base)
+            key = id(root)
+            if not isinstance(root, np.ndarray):
+                # A memoryview, mmap, torch tensor, ...: two distinct such owners may
+                # still expose the same memory (two views of one torch storage).
+                borrowed.append(i)
         if key in seen or key in buffers:
             shared = True
-            break
         seen.add(key)
+    if len(borrowed) > 1:
+        error = _overlap_error(grads, borrowed)
+        if error is not None:
+            return error
     if not shared:
         return None
     owners: dict[int, list[int]] = {}
