@@ -16,7 +16,7 @@ from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
 from .steps import Overlap, ReductionStep
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
-from .validation import check_grads
+from .validation import Checked, check_grads
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
 
@@ -285,7 +285,7 @@ class DistributedGradReducer:
         (an explicit ``degree`` stays the divisor). Usable afterwards; ``allocate_grads`` views hold zeros."""
         while True:
             with self._instrument.unwatched():  # the header: the others may still be computing
-                call = self._start(None)
+                call = self._start(None, joined=True)
             if call.void:
                 self.contributors = 0
                 return
@@ -295,21 +295,22 @@ class DistributedGradReducer:
 
     # -- one call ---------------------------------------------------------------------
 
-    def _start(self, grads: Any, asynchronous: bool = False, sharded: bool = False) -> Call:
-        """Validate ``grads`` (None: this rank has joined), open the call, read its header if it goes ahead."""
+    def _start(self, grads: Any, asynchronous: bool = False, sharded: bool = False, joined: bool = False) -> Call:
+        """Validate ``grads`` (or, ``joined``, none), open the call, read its header if it goes ahead."""
         if self._active is not None and not self._active.closed:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
         checked = None
-        if grads is not None:
-            if not isinstance(grads, (list, tuple, Mapping)):  # any iterable, e.g. (p.grad for p in params)
-                try:
+        if not joined:
+            unreadable = None
+            if grads is not None and not isinstance(grads, (list, tuple, Mapping, str, bytes)):
+                try:  # any iterable, e.g. (p.grad for p in params)
                     grads = list(grads)
-                except TypeError:
-                    pass  # named by the checks, on every rank
+                except Exception as exc:  # reported through the agreement, on every rank
+                    unreadable = Checked(TypeError(f"grads: iterating over it raised {exc!r}"))
             aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
-            checked = check_grads(grads, self._plan, aliasing)
+            checked = unreadable or check_grads(grads, self._plan, aliasing)
             checked = shard.arrays_only(checked) if sharded else checked
         self._calls += 1  # on every rank, whether or not the call then raises
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
@@ -347,3 +348,4 @@ class DistributedGradReducer:
         self.nonfinite = call.nonfinite
         self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1
+

@@ -513,7 +513,6 @@ def _self_reducer() -> DistributedGradReducer:
     return DistributedGradReducer([np.zeros(3, np.float32), np.zeros(2, np.float32)], group=MPI.COMM_SELF)
 
 
-@pytest.mark.xfail(strict=True, reason="reducer(None) is taken as join() for that call: no error is raised")
 def test_whole_grads_none_raises():
     with _self_reducer() as reducer:
         with pytest.raises(TypeError, match=r"grads"):
@@ -535,9 +534,6 @@ class RaisingItems:
         raise ValueError("no items")
 
 
-@pytest.mark.xfail(strict=True, reason="an iterable grads is list()-ed in reducer._start before the checks; an "
-                                       "exception other than TypeError escapes on that rank alone (the others "
-                                       "wait in the call header until the watchdog aborts the job)")
 @pytest.mark.parametrize("make", [_raising_generator, RaisingItems], ids=["generator", "getitem"])
 def test_iterable_grads_that_raise_are_reported_through_the_agreement(make):
     with _self_reducer() as reducer:
