@@ -48,8 +48,8 @@ def raise_if_any(
     if failed == size:
         if n and not np.array_equal(vec[1 : 1 + n], -vec[1 + n :]):
             raise ValueError(
-                "the ranks passed differently structured arguments (e.g. a RowSparse entry "
-                "on one rank where another passed a dense array); pass the same structure on every rank"
+                "the ranks passed different values for arguments that must be the same on every rank; "
+                "pass the same on every rank"
             )
         return
     message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)

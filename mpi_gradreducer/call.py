@@ -47,6 +47,8 @@ class Call:
             bucket's first elements; ``"sent"`` once it has (those elements
             are then reduced); ``"ahead"`` when it travelled on its own.
         nonfinite: a result held NaN or Inf (with ``check_finite``).
+        gather_sparse: the RowSparse gradients are gathered (not when
+            ``wait()`` found a rank that was not ready).
     """
 
     number: int
@@ -61,6 +63,7 @@ class Call:
     settle: Callable[[control.Summary], None] | None = None
     head: str = "pending"
     nonfinite: bool = False
+    gather_sparse: bool = True
 
     @property
     def sparse(self) -> tuple[int, ...]:

@@ -180,7 +180,9 @@ def resolve(
     Args:
         specs: the parameters.
         size: the number of ranks of the group.
-        **: the constructor's arguments, as given.
+        mean, degree, fusion_type, fusion, split_indices, bucket_bytes, skip, validate, timeout,
+            check_finite, cuda_aware, timeline, compression, predivide, coalesce, progress,
+            stall_warning: the constructor's arguments, as given.
 
     Raises:
         ValueError, TypeError: naming the argument, what was expected and what came.
@@ -217,6 +219,8 @@ def resolve(
         raise ValueError(f"progress: expected one of {PROGRESS_MODES}, got {progress!r}")
     if progress == "thread" and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         raise ValueError("progress='thread' needs MPI_THREAD_MULTIPLE, which MPI did not grant")
+    if timeline is not None and not isinstance(timeline, (str, os.PathLike)):
+        raise TypeError(f"timeline: expected a file name or None, got {type(timeline).__name__} {timeline!r}")
     if cuda_aware is not None and not isinstance(cuda_aware, (bool, np.bool_)):
         raise TypeError(f"cuda_aware: expected a bool or None, got {type(cuda_aware).__name__} {cuda_aware!r}")
     if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
@@ -226,7 +230,7 @@ def resolve(
         bucket_bytes=None if bucket_bytes == "auto" else bucket_bytes, validate=validate, timeout=timeout,
         stall_warning=stall_warning, abort_on_exception=os.environ.get(ABORT_ON_EXCEPTION_ENV, "1").strip() != "0",
         check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
-        timeline=timeline if timeline is not None else os.environ.get(TIMELINE_ENV),
+        timeline=os.fspath(timeline) if timeline is not None else os.environ.get(TIMELINE_ENV),
         compression=compression, predivide=None if predivide is None else float(predivide),
         coalesce=bool(coalesce), progress=progress,
     )
@@ -300,7 +304,8 @@ def signature(options: Options, specs: Sequence[planning.ParamSpec]) -> list[tup
     kind = 0 if options.compression is None else 1 + wire.COMPRESSIONS.index(options.compression)
     predivide = 0.0 if options.predivide is None else options.predivide
     header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
-              int(predivide * 1e6), PROGRESS_MODES.index(options.progress))
+              int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
+              int(options.check_finite), int(options.coalesce), int(options.timeline is not None))
     rows = [header]
     for spec, fid, skip in zip(specs, options.ids, options.skip):
         device_kind = 0 if backend.is_host(spec.device) else 1
@@ -313,7 +318,8 @@ def describe_row(index: int, row: tuple[int, ...]) -> str:
     if index == 0:
         names = (None,) + wire.COMPRESSIONS
         return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
-            f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r})"
+            f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r}, " \
+            "degree given={}, check_finite={}, coalesce={}, timeline={})".format(*row[8:12])
     codes = supported_dtypes()
     dtype, fid, skip, device_kind, ndim, *shape = row
     return (

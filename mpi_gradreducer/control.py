@@ -28,6 +28,7 @@ travels alone (:func:`exchange`).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement
-from .dtypes import digest
 
 __all__ = ["SLOTS", "CallInfo", "Local", "Summary", "carries", "exchange", "lead", "real_view", "settle"]
 
@@ -112,8 +112,9 @@ class Summary:
                    sharded=v[5], agree=agree)
 
     def healthy(self, size: int) -> bool:
-        """Every rank valid, contributing, with the same structure, and no None anywhere."""
-        return self.failed == 0 and self.contributors == size and self.attention == 0 and self.agree
+        """Every rank valid, contributing, starting the call the same way, with the same structure, no None."""
+        return (self.failed == 0 and self.contributors == size and self.attention == 0 and self.agree
+                and self.asynchronous in (0, size) and self.sharded in (0, size))
 
 
 @dataclass(frozen=True)
@@ -234,5 +235,6 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
 
 
 def _digests(values: Sequence[int]) -> list[int]:
-    d = digest(values)
+    """Three 8-bit digests of ``values``: bytes of their CRC-32."""
+    d = zlib.crc32(np.asarray(values, dtype=np.int64).tobytes())
     return [(d >> (8 * j)) & 0xFF for j in range(_DIGESTS)]

@@ -60,7 +60,7 @@ class Context:
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
         self._message: Any = None  # the carrier's first message: header, then its head
-        self._packs_behind_header = carried and first is not None and first.count <= self.head_count()
+        self._packs_behind_header = carried and first.count <= self.head_count()
         if self._packs_behind_header:  # a small first bucket is packed straight behind the header: no copies
             plan.buffers[0].allocate(self._first_message()[control.lead(first.wire_dtype):])
 
@@ -245,25 +245,16 @@ class HalfPath(HostPath):
 
     def reduce_buffer(self, k: int, buf: Any, call: Call) -> None:
         """Sum ``buf`` slice by slice in float32, scaled, rounded once."""
-        if call.void:
-            return
-        ctx, summer = self.ctx, self._summer
-        check = call.finite_check(ctx.plan.buffers[k].limit)
-
-        def chunks() -> int:
-            calls = 0
-            for start in range(0, buf.shape[0], summer.step):
-                chunk = buf[start : start + summer.step]
-                calls += summer(chunk, call.scale)
-                if check is not None:
-                    check(chunk)
-            return calls
-
-        ctx.instrument.stats.messages += ctx.instrument.collective(ctx.describe(k), call.number, chunks)
+        _slice_sum(self.ctx, self._summer, k, buf, call, call.scale)
 
 
 class CompressedPath(PackedPath):
     """float32/float64 buckets sent as 16-bit floats, each rank summing one slice in float32."""
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        assert ctx.compression is not None
+        self._summer = wire.SliceSum(ctx.comm, ctx.compression, transport.CHUNK_BYTES, "alltoall")
 
     def scales(self, call: Call) -> tuple[float, float]:
         """Pre-division before the cast to 16 bits, and its inverse with the mean after."""
@@ -273,12 +264,23 @@ class CompressedPath(PackedPath):
 
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum the wire buffer of bucket ``k`` across ranks (scaled on unpack)."""
-        ctx = self.ctx
-        if call.void:
-            return
-        ctx.instrument.stats.messages += ctx.instrument.collective(
-            ctx.describe(k), call.number, wire.compressed_allreduce, ctx.comm, f.buffer, ctx.compression,
-            after=call.finite_check(f.limit))
+        _slice_sum(self.ctx, self._summer, k, f.buffer, call, 1.0)
+
+
+def _slice_sum(ctx: Context, summer: wire.SliceSum, k: int, buf: Any, call: Call, scale: float) -> None:
+    """Sum bucket ``k``'s 16-bit ``buf`` chunk by chunk, each rank one slice in float32 (reused buffers)."""
+    check = call.finite_check(ctx.plan.buffers[k].limit)
+
+    def chunks() -> int:
+        calls = 0
+        for start in range(0, buf.shape[0], summer.step):
+            chunk = buf[start : start + summer.step]
+            calls += summer(chunk, scale)
+            if check is not None:
+                check(chunk)
+        return calls
+
+    ctx.instrument.stats.messages += ctx.instrument.collective(ctx.describe(k), call.number, chunks)
 
 
 class DevicePath:
@@ -384,13 +386,14 @@ class SparsePath:
     def reduce(self, call: Call) -> None:
         """Gather each RowSparse gradient of ``call`` and put the result in ``call.grads``."""
         ctx = self.ctx
-        for i in () if call.void else call.sparse:
+        for i in call.sparse if call.gather_sparse and not call.void else ():
             t0 = time.perf_counter()
             result = ctx.instrument.collective(
                 lambda i=i: f"RowSparse grads[{i}]", call.number, allgather_rowsparse,
                 ctx.comm, call.grads[i], call.scale, ctx.options.coalesce,
             )
-            ctx.instrument.stats.messages += 3
+            rows_hold_values = int(np.prod(ctx.plan.specs[i].shape[1:], dtype=np.int64)) > 0
+            ctx.instrument.stats.messages += 3 if rows_hold_values else 2  # counts, indices, values
             if result.values.size:
                 limit = largest_finite(ctx.plan.specs[i].dtype)
                 check = call.finite_check(limit)

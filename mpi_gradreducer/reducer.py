@@ -47,11 +47,11 @@ class DistributedGradReducer:
             rank). Call ``allocate_grads`` after that if you use it.
         skip: one bool per parameter; True leaves that gradient untouched
             (MindSpore's layer-wise-parallel and parameter-server parameters).
-        validate: ``"always"`` checks every call's gradients and makes all
-            ranks agree on the outcome before any data moves; ``"first"`` does
-            so on the first call only; ``"never"`` only checks locally, so a
-            rank with bad input raises alone and the others are ended by the
-            watchdog.
+        validate: how much each rank checks its gradients before the ranks
+            agree (always, in the call header, before any caller's array is
+            modified): ``"always"`` everything on every call, including
+            whether two gradients share memory; ``"first"`` that aliasing
+            check on the first call only; ``"never"`` not at all.
         timeout: seconds a collective may take before the watchdog prints a
             diagnostic and aborts the job; None disables it. Default: the
             ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
@@ -289,9 +289,10 @@ class DistributedGradReducer:
             if call.void:
                 self.contributors = 0
                 return
-            if call.info is not None and call.info.asynchronous:
-                self._overlap.agree_on_readiness(())  # as the others do in wait()
-            self._reduce(call)
+            asynchronous = call.info is not None and call.info.asynchronous
+            if asynchronous and self._overlap.agree_on_readiness(()).any():  # as the others do in wait()
+                call.gather_sparse = False  # some rank was not ready: the others gather no RowSparse either
+            self._reduce(call, tune=not asynchronous)
 
     # -- one call ---------------------------------------------------------------------
 
@@ -301,6 +302,8 @@ class DistributedGradReducer:
             raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
+        if self._tuner is not None and self._tuner.current() != self._bucket_bytes:
+            self._build_plan(self._tuner.current())  # on every rank, before anything is sent
         checked = None
         if not joined:
             unreadable = None
@@ -328,11 +331,9 @@ class DistributedGradReducer:
         self.nonfinite = False
         return call
 
-    def _reduce(self, call: Call) -> None:
-        """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning."""
-        tuner = self._tuner
-        if tuner is not None and tuner.current() != self._bucket_bytes:
-            self._build_plan(tuner.current())
+    def _reduce(self, call: Call, tune: bool = True) -> None:
+        """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning (blocking calls)."""
+        tuner = self._tuner if tune else None
         t0 = time.perf_counter()
         paths.run(self._paths, range(len(self._paths)), call)
         self._sparse.reduce(call)

@@ -164,10 +164,12 @@ class Sharder:
             b = f.bucket
             members = call.members(f)
             send = f.in_place(members) if backend.is_host(b.device) else None
-            if send is None:
+            if send is None and b.wire_dtype != b.dtype:  # compressed: reduce-scattered uncompressed
+                send = self._widened(k, members)
+            elif send is None:
                 send = self._packed(k, members)
             if send.dtype.itemsize == 2:  # MPI has no half-precision sum: reduce-scatter in float32
-                send = self._widened(k, send)
+                send = self._widened(k, [send])
             counts = self.counts(k)
             received = self._received[k]
             if received is None:
@@ -182,7 +184,8 @@ class Sharder:
             self.instrument.stats.bytes += b.nbytes
             self._results[k] = self._scaled(k, received, scale)
             if call.check_finite:
-                call.check_chunk(received, f.limit)
+                result = self._results[k]
+                call.check_chunk(result if isinstance(result, np.ndarray) else received, f.limit)
         if call.check_finite:
             flag = np.array([int(call.nonfinite)], np.int64)
             if self.size > 1:
@@ -193,12 +196,16 @@ class Sharder:
                        for s in self.spans)
         return Shard(self, call.number, pieces)
 
-    def _widened(self, k: int, half: np.ndarray) -> np.ndarray:
-        """Bucket ``k``'s 16-bit buffer in float32 (a buffer kept for the bucket)."""
+    def _widened(self, k: int, parts: Sequence[Any]) -> np.ndarray:
+        """Bucket ``k``'s members (or its one 16-bit buffer) in the dtype they are summed in, on the host."""
+        b = self.plan.buffers[k].bucket
         wide = self._wide[k]
         if wide is None:
-            wide = self._wide[k] = np.empty(half.shape[0], np.float32)
-        scaled_copy(half, wide)
+            wide = self._wide[k] = np.empty(b.count, reduction_dtype(b.dtype))
+        offsets = b.offsets if len(parts) == len(b.indices) else (0,)
+        for part, o in zip(parts, offsets):
+            flat = backend.to_numpy(part).reshape(-1) if not isinstance(part, np.ndarray) else part.reshape(-1)
+            scaled_copy(flat, wide[o: o + flat.shape[0]])
         return wide
 
     def _packed(self, k: int, members: Sequence[Any]) -> np.ndarray:

@@ -97,3 +97,5 @@ def test_the_signature_names_what_differs():
     assert config.describe_row(2, rows[2]) == "shape (4,) float64 on cpu (fusion id 1)"
     assert config.signature(resolve(degree=3), SPECS)[0] != rows[0]
     assert config.signature(resolve(skip=[False, True]), SPECS)[2] != rows[2]
+    for change in (dict(check_finite=True), dict(coalesce=True), dict(timeline="t.json"), dict(degree=4)):
+        assert config.signature(resolve(**change), SPECS)[0] != rows[0], change  # options that change messages
