@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import time
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -147,6 +148,12 @@ def train_with_ddp(settings: Settings, data: Sequence[torch.Tensor], comm: MPI.C
                 optimizer.zero_grad()
                 torch.nn.functional.cross_entropy(ddp(x_train[idx]), y_train[idx]).backward()
                 optimizer.step()
+        # gloo's worker thread takes the GIL to destroy its last work item; if DDP's reducer (and with it
+        # the process group) is destroyed meanwhile, the main thread joins that thread holding the GIL and
+        # both wait forever (seen with torch 2.13). So let the worker go idle first, then drop DDP.
+        dist.barrier()
+        time.sleep(0.2)
+        del ddp, optimizer
         return model
     finally:
         dist.destroy_process_group()
