@@ -10,12 +10,14 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, compression as wire, interop, planning, transport
+from . import agreement, backend, compression as wire, interop, planning, transport
 from .dtypes import supported_dtypes
 from .groups import processor_names
+from .planning import ParamSpec
 
 __all__ = [
     "ABORT_ON_EXCEPTION_ENV",
+    "agree",
     "CUDA_AWARE_ENV",
     "DEFAULT_STALL_WARNING",
     "STALL_WARNING_ENV",
@@ -130,7 +132,7 @@ def positive(name: str, value: Any, *, integer: bool = False, none: bool = False
     return int(value) if integer else float(value)
 
 
-def param_specs(parameters: Iterable[Any]) -> tuple[planning.ParamSpec, ...]:
+def param_specs(parameters: Iterable[Any]) -> tuple[ParamSpec, ...]:
     """Shape, dtype and device of each parameter (any iterable of arrays of any library).
 
     Raises:
@@ -149,12 +151,12 @@ def param_specs(parameters: Iterable[Any]) -> tuple[planning.ParamSpec, ...]:
                 f"parameters[{i}]: dtype {dtype} is not supported; expected one of "
                 + ", ".join(d.name for d in supported)
             )
-        specs.append(planning.ParamSpec(tuple(shape), np.dtype(dtype), device))
+        specs.append(ParamSpec(tuple(shape), np.dtype(dtype), device))
     return tuple(specs)
 
 
 def resolve(
-    specs: Sequence[planning.ParamSpec],
+    specs: Sequence[ParamSpec],
     size: int,
     *,
     mean: Any,
@@ -195,16 +197,7 @@ def resolve(
     skip = [False] * len(specs) if skip is None else list(skip)
     if len(skip) != len(specs):
         raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
-    try:
-        comp = wire.get_compression(compression)
-    except ImportError as exc:
-        raise ValueError(str(exc)) from exc
-    if comp is not None:
-        if any(not backend.is_host(s.device) for s in specs):
-            raise TypeError("compression: works on host (numpy) gradients only; got device arrays")
-        comp.scales(size, degree, bool(mean), predivide)  # checks predivide
-    elif predivide is not None:
-        raise ValueError(f"predivide: only applies with compression, got predivide={predivide!r}")
+    _check_compression(specs, size, degree, bool(mean), compression, predivide)
     if not (isinstance(bucket_bytes, str) and bucket_bytes == "auto"):
         bucket_bytes = positive("bucket_bytes", bucket_bytes, integer=True, also=" or 'auto'")
     if validate not in VALIDATE_MODES:
@@ -234,6 +227,24 @@ def resolve(
         compression=compression, predivide=None if predivide is None else float(predivide),
         coalesce=bool(coalesce), progress=progress,
     )
+
+
+def agree(comm: MPI.Intracomm, parameters: Iterable[Any], kwargs: dict[str, Any]) -> tuple[tuple[ParamSpec, ...], Options]:
+    """The parameters' specs and the options, checked locally, then agreed by every rank (collective).
+
+    Raises:
+        ValueError, TypeError: on every rank, when any rank's arguments are bad or differ from rank 0's.
+    """
+    error, specs, options = None, (), None
+    try:
+        specs = param_specs(parameters)
+        options = resolve(specs, comm.Get_size(), **kwargs)
+    except (ValueError, TypeError) as exc:
+        error = exc
+    agreement.raise_if_any(comm, error)
+    agreement.check_same(comm, signature(options, specs), describe_row,
+                         lambda i: f"parameter {i - 1}" if i else "the configuration")
+    return specs, options
 
 
 def stall_warning_default() -> float | None:
@@ -277,6 +288,21 @@ def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
     return "thread" if spare[0] else "deferred"
 
 
+def _check_compression(specs: Sequence[ParamSpec], size: int, degree: int, mean: bool, compression: Any,
+                       predivide: Any) -> None:
+    """Raise unless ``compression`` and ``predivide`` fit the parameters."""
+    try:
+        comp = wire.get_compression(compression)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from exc
+    if comp is not None:
+        if any(not backend.is_host(s.device) for s in specs):
+            raise TypeError("compression: works on host (numpy) gradients only; got device arrays")
+        comp.scales(size, degree, mean, predivide)  # checks predivide
+    elif predivide is not None:
+        raise ValueError(f"predivide: only applies with compression, got predivide={predivide!r}")
+
+
 def cuda_aware_default() -> tuple[bool | None, str]:
     """Whether device buffers may go straight to MPI, and how we know.
 
@@ -297,7 +323,7 @@ def cuda_aware_default() -> tuple[bool | None, str]:
     return transport.cuda_support()
 
 
-def signature(options: Options, specs: Sequence[planning.ParamSpec]) -> list[tuple[int, ...]]:
+def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, ...]]:
     """What every rank's reducer must have in common: one header row, one row per parameter."""
     codes = supported_dtypes()
     cap = -1 if options.bucket_bytes is None else options.bucket_bytes

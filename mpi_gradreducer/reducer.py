@@ -8,7 +8,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import agreement, config, control, paths, shard
+from . import config, control, paths, shard
 from .compression import get_compression
 from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from .call import Call, close, open_call, settle
@@ -119,7 +119,7 @@ class DistributedGradReducer:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
         self._comm = comm.Dup()
         try:
-            self._specs, self.options = self._agree_on_options(parameters, dict(
+            self._specs, self.options = config.agree(self._comm, parameters, dict(
                 mean=mean, degree=degree, fusion_type=fusion_type, fusion=fusion, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, validate=validate, timeout=timeout,
                 check_finite=check_finite, cuda_aware=cuda_aware, timeline=timeline, compression=compression,
@@ -148,19 +148,6 @@ class DistributedGradReducer:
         self._overlap = Overlap(self._comm, self.progress == "thread")
 
     # -- construction steps -----------------------------------------------------------
-
-    def _agree_on_options(self, parameters: Iterable[Any], kwargs: dict[str, Any]) -> tuple[Any, config.Options]:
-        """Check the arguments locally, then make every rank agree on them and on the parameters."""
-        error, specs, options = None, (), None
-        try:
-            specs = config.param_specs(parameters)
-            options = config.resolve(specs, self._comm.Get_size(), **kwargs)
-        except (ValueError, TypeError) as exc:
-            error = exc
-        agreement.raise_if_any(self._comm, error)
-        agreement.check_same(self._comm, config.signature(options, specs), config.describe_row,
-                             lambda i: f"parameter {i - 1}" if i else "the configuration")
-        return specs, options
 
     def _build_plan(self, bucket_bytes: int) -> None:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""

@@ -175,13 +175,13 @@ def test_header_fits_and_float32_sums_stay_exact_up_to_the_bound():
     # At the bound, the largest sums of squared digests are exact in float32, and agreement is read right.
     worst = control.Local(1)
     values = np.array(worst.values(), dtype=np.float64)
-    values[5:8], values[8:11] = 255, 255 * 255
+    values[-6:-3], values[-3:] = 255, 255 * 255  # the three digests and their squares end the header
     total = (values * bound).astype(np.float32)
     assert np.array_equal(total.astype(np.float64), values * bound)
     assert control.Summary.of(total).agree
     off = total.copy()
-    off[5] -= 1  # one rank's digest one less: the squares no longer match
-    off[8] -= 2 * 255 - 1
+    off[-6] -= 1  # one rank's digest one less: the squares no longer match
+    off[-3] -= 2 * 255 - 1
     assert not control.Summary.of(off).agree
 
 
