@@ -105,7 +105,7 @@ class Summary:
     @classmethod
     def of(cls, sums: Sequence[float]) -> Summary:
         """Read summed header values."""
-        v = [int(round(float(x))) for x in sums[:SLOTS]]
+        v = np.rint(np.asarray(sums[:SLOTS], dtype=np.float64)).astype(np.int64).tolist()
         contributors = v[1]
         agree = all(contributors * v[6 + _DIGESTS + j] == v[6 + j] ** 2 for j in range(_DIGESTS))
         return cls(failed=v[0], contributors=contributors, attention=v[2], views=v[3], asynchronous=v[4],

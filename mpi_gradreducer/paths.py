@@ -124,7 +124,7 @@ class Context:
 
     def allreduce(self, k: int, buf: Any, call: Call) -> None:
         """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk."""
-        if call.void:
+        if call.void or buf.shape[0] == 0:
             return
         after = call.finite_check(self.plan.buffers[k].limit)
         self.instrument.stats.messages += self.instrument.collective(
