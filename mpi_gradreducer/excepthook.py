@@ -26,7 +26,7 @@ import os
 import sys
 import threading
 from types import TracebackType
-from typing import Callable
+from collections.abc import Callable
 
 __all__ = ["UncaughtAbort", "UNCAUGHT"]
 

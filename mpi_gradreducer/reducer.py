@@ -196,7 +196,9 @@ class DistributedGradReducer:
         Raises:
             ValueError, TypeError: on every rank when any rank's gradients do
                 not match the plan; no array has been modified on any rank.
-            RuntimeError: when an asynchronous reduction is still in flight.
+            RuntimeError: on this rank alone, when an asynchronous reduction
+                is still in flight or the reducer was freed (a programming
+                error that leaves the other ranks waiting: the watchdog ends them).
         """
         call = self._start(grads)
         self._reduce(call)

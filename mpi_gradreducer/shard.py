@@ -12,9 +12,10 @@ pieces only and updates those elements of its parameters; then
 in the parameters' own dtype, puts every rank's pieces into every rank's
 ``params``.
 
-Bytes on the wire are those of an Allreduce of the plan (a reduce-scatter of
-the wire dtype plus an allgather of the parameters' dtype). float16 and
-bfloat16 are summed in float32 and rounded once into the piece. Device
+Bytes on the wire are those of an Allreduce of the plan (a reduce-scatter
+plus an allgather of the parameters' dtype), except that float16 and bfloat16
+buckets are reduce-scattered in float32 (MPI has no half-precision sum) and
+compressed buckets uncompressed; halves are rounded once into the piece. Device
 (cupy) gradients and parameters are staged through host memory here (not
 tested on a GPU).
 """

@@ -27,7 +27,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from mpi4py import MPI
 
