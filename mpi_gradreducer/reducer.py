@@ -270,8 +270,11 @@ class DistributedGradReducer:
     def join(self) -> None:
         """This rank has no more data: take part in the other ranks' calls with nothing (collective).
 
-        Returns on every rank once all have joined; each call meanwhile is averaged over its ``contributors``
-        (an explicit ``degree`` stays the divisor). Usable afterwards; ``allocate_grads`` views hold zeros."""
+        Returns on every rank once all have joined. Each call meanwhile is
+        averaged over its ``contributors`` (an explicit ``degree`` stays the
+        divisor). The reducer is usable afterwards; this rank's
+        ``allocate_grads`` views then hold zeros.
+        """
         while True:
             with self._instrument.unwatched():  # the header: the others may still be computing
                 call = self._start(None, joined=True)
