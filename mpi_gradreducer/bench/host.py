@@ -87,8 +87,6 @@ METHODS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-view
            "torch-gloo")
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
 LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
-#: Name of the internal case that times the validation's tiny Allreduce.
-_TINY = "tiny-allreduce"
 #: The limit case that is one Allreduce of all the bytes.
 _WHOLE = "limit@whole"
 
@@ -125,7 +123,7 @@ def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params
 
 
 def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
-    """The numpy reducer methods, and the tiny Allreduce that validation adds."""
+    """The numpy reducer methods."""
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
     for name, kwargs in (("reducer", {}), ("reducer-novalidate", {"validate": "never"})):
         if name in methods:
@@ -141,11 +139,6 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
         params = [np.empty_like(g) for g in grads]
         m.cases.append(Case("reducer-shard", filler(grads, value), lambda r=r: _shard_step(r, grads, params),
                             lambda: all_close(params, mean)))
-    if "reducer" in m.reducers and "reducer-novalidate" in m.reducers:
-        # what the agreement of validate="always" sends: one tiny Allreduce
-        flag = np.zeros(1, dtype=np.int64)
-        m.cases.append(Case(_TINY, lambda: flag.fill(0), lambda: comm.Allreduce(MPI.IN_PLACE, flag),
-                            lambda: bool(flag[0] == 0)))
 
 
 def _add_torch_reducer(comm: MPI.Intracomm, grads: list[np.ndarray], unsupported: str | None, m: _Methods) -> None:
@@ -223,7 +216,7 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
     finally:
         m.free()
     size = comm.Get_size()
-    results = {name: summary(t, wl.nbytes, size) for name, t in times.items() if name != _TINY}
+    results = {name: summary(t, wl.nbytes, size) for name, t in times.items()}
     out: dict[str, Any] = {**wl.facts(size), "messages": m.messages, "reducer_stats": stats,
                            "skipped": {name: m.skipped[name] for name in METHODS if name in m.skipped}}
     out["methods"] = _method_summaries(wl, results, m, out)
@@ -267,25 +260,26 @@ def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -
 
 def _validation_cost(comm: MPI.Intracomm, wl: Workload, times: dict[str, list[float]], reps: int,
                      warmup: int) -> dict[str, float]:
-    """The cost of ``validate="always"``: paired differences, and an estimate from its parts."""
+    """The cost of ``validate="always"``: paired differences, and an estimate from its local part.
+
+    The verdict itself travels in the call's first message, in both modes,
+    so the only difference is the local check that no two gradients overlap.
+    """
     with_v, without = np.array(times["reducer"]), np.array(times["reducer-novalidate"])
     local = _local_validation_seconds(comm, wl, reps, warmup)
-    tiny = statistics.median(times[_TINY])
     return {"validation_cost_percent": float(np.median(with_v - without) / np.median(with_v) * 100),
             "validation_local_ms": local * 1e3,
-            "tiny_allreduce_ms": tiny * 1e3,
-            "validation_estimate_percent": float((local + tiny) / np.median(with_v) * 100)}
+            "validation_estimate_percent": float(local / np.median(with_v) * 100)}
 
 
 def _local_validation_seconds(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> float:
     """The local work that ``validate="always"`` adds, timed on ``MPI.COMM_SELF``.
 
-    Both modes check shapes, dtypes, devices and flags locally; "always"
-    adds the check that no two gradients overlap, and the agreement, which on
-    one process sends nothing. This is local CPU work, which noise can only
-    slow down, so the difference of the two minimum times estimates it (15
-    repetitions at least); the agreement's one tiny Allreduce is timed
-    separately, in the interleaved run. Returns the median over the ranks.
+    Both modes check shapes, dtypes, devices and flags locally, and agree on
+    the verdict in the call's first message; "always" adds the check that no
+    two gradients overlap. This is local CPU work, which noise can only slow
+    down, so the difference of the two minimum times estimates it (15
+    repetitions at least). Returns the median over the ranks.
     """
     grads = wl.arrays()
     fill = filler(grads, fill_value(comm))
@@ -329,9 +323,9 @@ def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
         lines.append(f"  validate=\"always\" / validate=\"never\" = {res['always_over_never']:.2f}")
     if "validation_cost_percent" in res:
         lines.append(f"  validation cost: {noise_or(res['validation_cost_percent'], '.1f', '%')} of reducer "
-                     f"(median of the paired differences with reducer-novalidate); from its parts: overlap check "
-                     f"{res['validation_local_ms']:.2f} ms + one tiny Allreduce {res['tiny_allreduce_ms']:.2f} ms "
-                     f"= {res['validation_estimate_percent']:.2f}%")
+                     f"(median of the paired differences with reducer-novalidate); from its local part, the "
+                     f"overlap check, {res['validation_local_ms']:.2f} ms = {res['validation_estimate_percent']:.2f}% "
+                     "(the verdict rides in the first message)")
     return lines
 
 
