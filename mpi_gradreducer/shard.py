@@ -1,14 +1,16 @@
 """Sharded reduction for ZeRO-style optimizers: reduce-scatter of the plan, then allgather of the parameters.
 
 ``reducer.reduce_scatter(grads)`` is the first half of the reducer's
-Allreduce: each bucket's buffer is split evenly into one contiguous slice per
-rank (:func:`bounds`) and reduce-scattered, so that each rank receives the
-averaged values of its slices only. A slice, mapped back onto the bucket's
+Allreduce: each bucket's buffer is cut into chunks of at most
+``transport.CHUNK_BYTES`` (as the Allreduce is, since MPI is slower on
+larger messages), each chunk split evenly into one contiguous slice per rank
+(:func:`bounds`, :func:`cuts`) and reduce-scattered, so that each rank
+receives the averaged values of its slices only. A slice, mapped back onto the bucket's
 members, is a list of :class:`Piece`\\ s: ``(index, start, stop)``, a flat
 element range of one parameter (:func:`layout`, a pure function of the
 buckets and the number of ranks). Each rank keeps optimizer state for its
 pieces only and updates those elements of its parameters; then
-``shard.allgather(params)`` is the other half: one ``Allgatherv`` per bucket,
+``shard.allgather(params)`` is the other half: one ``Allgatherv`` per chunk,
 in the parameters' own dtype, puts every rank's pieces into every rank's
 ``params``.
 
@@ -30,7 +32,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, backend
+from . import agreement, backend, transport
 from .call import Call
 from .dtypes import reduction_dtype, scaled_copy
 from .fusion import FusionPlan
@@ -38,7 +40,7 @@ from .instrument import Instrument
 from .planning import Bucket
 from .validation import Checked, check_grads
 
-__all__ = ["Piece", "Shard", "Sharder", "Span", "arrays_only", "bounds", "layout"]
+__all__ = ["Piece", "Shard", "Sharder", "Span", "arrays_only", "bounds", "cuts", "layout"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Span:
         index: the parameter.
         start: first flat element of the parameter in the piece.
         stop: one past the last.
-        offset: where the piece begins in the rank's slice of the bucket.
+        offset: where the piece begins among the values the rank receives for the bucket.
     """
 
     bucket: int
@@ -86,6 +88,15 @@ def bounds(count: int, size: int) -> list[int]:
     return [count * r // size for r in range(size + 1)]
 
 
+def cuts(bucket: Bucket, size: int) -> list[tuple[int, list[int]]]:
+    """The chunks of ``bucket`` and their slices: ``(chunk start, bounds(chunk length, size))`` each.
+
+    Chunks hold at most ``transport.CHUNK_BYTES`` of the dtype the bucket is summed in.
+    """
+    step = max(1, transport.CHUNK_BYTES // reduction_dtype(bucket.dtype).itemsize)
+    return [(c0, bounds(min(step, bucket.count - c0), size)) for c0 in range(0, bucket.count, step)]
+
+
 def layout(buckets: Sequence[Bucket], size: int, rank: int) -> list[Span]:
     """The pieces of rank ``rank`` among ``size`` ranks, in plan order (pure: no MPI).
 
@@ -95,16 +106,18 @@ def layout(buckets: Sequence[Bucket], size: int, rank: int) -> list[Span]:
         rank: the rank whose pieces are wanted.
 
     Returns:
-        One :class:`Span` per (bucket, member) that the rank's slice of the bucket touches.
+        One :class:`Span` per (chunk, member) that the rank's slice of the chunk touches.
     """
     spans = []
     for k, b in enumerate(buckets):
-        edges = bounds(b.count, size)
-        lo, hi = edges[rank], edges[rank + 1]
-        for i, o, n in zip(b.indices, b.offsets, b.sizes):
-            start, stop = max(lo, o), min(hi, o + n)
-            if start < stop:
-                spans.append(Span(k, i, start - o, stop - o, start - lo))
+        received = 0  # where the rank's slice of this chunk starts among the values it receives for the bucket
+        for c0, edges in cuts(b, size):
+            lo, hi = c0 + edges[rank], c0 + edges[rank + 1]
+            for i, o, n in zip(b.indices, b.offsets, b.sizes):
+                start, stop = max(lo, o), min(hi, o + n)
+                if start < stop:
+                    spans.append(Span(k, i, start - o, stop - o, received + start - lo))
+            received += hi - lo
     return spans
 
 
@@ -136,7 +149,7 @@ class Sharder:
         self.comm, self.plan, self.instrument = comm, plan, instrument
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         buckets = plan.buckets
-        self.edges = [bounds(b.count, self.size) for b in buckets]
+        self.cuts = [cuts(b, self.size) for b in buckets]
         self.spans = layout(buckets, self.size, self.rank)
         #: For each bucket, this rank's spans in it with their member's offset in the bucket.
         self._own: list[list[tuple[Span, int]]] = [[] for _ in buckets]
@@ -153,10 +166,18 @@ class Sharder:
         """``current`` if it was made for ``plan``, else a new one."""
         return current if current is not None and current.plan is plan else cls(comm, plan, instrument)
 
-    def counts(self, k: int) -> list[int]:
-        """Elements of bucket ``k`` owned by each rank."""
-        e = self.edges[k]
-        return [e[r + 1] - e[r] for r in range(self.size)]
+    def chunks(self, k: int) -> Iterator[tuple[int, int, list[int], list[int], int]]:
+        """For each chunk of bucket ``k``: start, length, counts and displacements per rank, and where this
+        rank's slice begins among the values it receives for the bucket."""
+        received = 0
+        for c0, e in self.cuts[k]:
+            counts = [e[r + 1] - e[r] for r in range(self.size)]
+            yield c0, e[-1], counts, e[:-1], received
+            received += counts[self.rank]
+
+    def owned(self, k: int) -> int:
+        """Elements of bucket ``k`` that this rank receives."""
+        return sum(e[self.rank + 1] - e[self.rank] for _, e in self.cuts[k])
 
     def reduce_scatter(self, call: Call) -> Shard:
         """Reduce-scatter every bucket of ``call`` (validated, its header read) and return this rank's pieces."""
@@ -171,17 +192,18 @@ class Sharder:
                 send = self._packed(k, members)
             if send.dtype.itemsize == 2:  # MPI has no half-precision sum: reduce-scatter in float32
                 send = self._widened(k, [send])
-            counts = self.counts(k)
             received = self._received[k]
             if received is None:
-                received = self._received[k] = np.empty(counts[self.rank], reduction_dtype(b.dtype))
-            if self.size > 1:
-                self.instrument.collective(lambda k=k: f"reduce-scatter of bucket {k} ({b.nbytes} bytes)",
-                                           call.number, self.comm.Reduce_scatter, send, received, counts,
-                                           op=MPI.SUM)
-            else:
-                received[...] = send
-            self.instrument.stats.messages += 1
+                received = self._received[k] = np.empty(self.owned(k), reduction_dtype(b.dtype))
+            for c0, n, counts, _, at in self.chunks(k):
+                mine = received[at: at + counts[self.rank]]
+                if self.size > 1:
+                    self.instrument.collective(lambda k=k: f"reduce-scatter of bucket {k} ({b.nbytes} bytes)",
+                                               call.number, self.comm.Reduce_scatter, send[c0: c0 + n], mine,
+                                               counts, op=MPI.SUM)
+                else:
+                    mine[...] = send[c0: c0 + n]
+                self.instrument.stats.messages += 1
             self.instrument.stats.bytes += b.nbytes
             self._results[k] = self._scaled(k, received, scale)
             if call.check_finite:
@@ -252,8 +274,6 @@ class Sharder:
         for k, f in enumerate(self.plan.buffers):
             b = f.bucket
             members = [arrays[i] for i in b.indices]
-            counts = self.counts(k)
-            displs = self.edges[k][:-1]
             host = backend.is_host(b.device)
             whole = backend.flat_view(members[0]) if host and len(members) == 1 else None
             if whole is None:
@@ -263,11 +283,13 @@ class Sharder:
                 for s, o in self._own[k]:  # this rank's pieces, where the others expect them
                     part = arrays[s.index].reshape(-1)[s.start: s.stop]
                     whole[o + s.start: o + s.stop] = part if host else backend.to_numpy(part)
-            if self.size > 1:
-                wire = _bits(whole)
-                self.instrument.collective(lambda k=k: f"allgather of bucket {k} ({b.count * b.dtype.itemsize} bytes)",
-                                           shard.call, self.comm.Allgatherv, MPI.IN_PLACE, [wire, (counts, displs)])
-            self.instrument.stats.messages += 1
+            wire = _bits(whole)
+            for c0, n, counts, displs, _ in self.chunks(k):
+                if self.size > 1:
+                    self.instrument.collective(
+                        lambda k=k: f"allgather of bucket {k} ({b.count * b.dtype.itemsize} bytes)", shard.call,
+                        self.comm.Allgatherv, MPI.IN_PLACE, [wire[c0: c0 + n], (counts, displs)])
+                self.instrument.stats.messages += 1
             if whole is not self._gathered[k]:
                 continue  # gathered where it lies
             for g, o, n in zip(members, b.offsets, b.sizes):

@@ -10,7 +10,7 @@ from conftest import WORLD, assert_same_on_all_ranks
 from mpi_gradreducer import DistributedGradReducer, RowSparse
 from mpi_gradreducer.dtypes import supported_dtypes
 from mpi_gradreducer.planning import ParamSpec, make_plan
-from mpi_gradreducer.shard import bounds, layout
+from mpi_gradreducer.shard import bounds, cuts, layout
 
 SHAPES = [(40, 30), (30,), (300, 1024), (7,), (), (5, 0), (64, 64), (3, 5, 2)]
 
@@ -57,18 +57,37 @@ def test_layout_covers_every_element_once_and_is_balanced(seed, size):
             assert 0 <= s.start < s.stop <= specs[s.index].size
             owners[s.index][s.start:s.stop] += 1
         numel.append(sum(s.stop - s.start for s in spans))
-        # pieces are contiguous in the rank's slice of each bucket, in order
+        # pieces follow each other, in order, among the values the rank receives for each bucket
         for k, b in enumerate(buckets):
             mine = [s for s in spans if s.bucket == k]
-            edges = bounds(b.count, size)
-            assert sum(s.stop - s.start for s in mine) == edges[r + 1] - edges[r]
+            assert sum(s.stop - s.start for s in mine) == sum(e[r + 1] - e[r] for _, e in cuts(b, size))
             assert [s.offset for s in mine] == list(np.cumsum([0] + [s.stop - s.start for s in mine])[:-1])
     bucketed = {i for b in buckets for i in b.indices}
     for i, o in enumerate(owners):
         assert (o == (1 if i in bucketed else 0)).all(), i
     total = sum(b.count for b in buckets)
     assert sum(numel) == total
-    assert max(numel) <= total / size + len(buckets)  # each bucket's slices differ by one element at most
+    chunks = sum(len(cuts(b, size)) for b in buckets)
+    assert max(numel) <= total / size + chunks  # each chunk's slices differ by one element at most
+
+
+@pytest.mark.parametrize("size", [1, 3, 4])
+def test_large_buckets_are_sliced_chunk_by_chunk(size):
+    from mpi_gradreducer.transport import CHUNK_BYTES
+
+    specs = [ParamSpec((3_000_001,), np.dtype(np.float32)), ParamSpec((5, 7), np.dtype(np.float16))]
+    buckets = make_plan(specs, [1, 1], 1 << 20, 1 << 20, reverse=True)
+    big = next(b for b in buckets if 0 in b.indices)
+    assert len(cuts(big, size)) == -(-big.count * 4 // CHUNK_BYTES) >= 3
+    owners = np.zeros(specs[0].size, np.int64)
+    for r in range(size):
+        spans = [s for s in layout(buckets, size, r) if s.index == 0]
+        assert len(spans) == len(cuts(big, size))  # one piece per chunk of the lone tensor
+        for s in spans:
+            owners[s.start:s.stop] += 1
+        held = sum(s.stop - s.start for s in spans)
+        assert held <= big.count / size + len(cuts(big, size))
+    assert (owners == 1).all()
 
 
 def test_bounds_are_even():
