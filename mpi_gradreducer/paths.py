@@ -173,7 +173,11 @@ class PackedPath:
         self.ctx.record(call, (k,), t0, t1, t2, time.perf_counter())
 
     def scales(self, call: Call) -> tuple[float, float]:
-        """Factors applied when packing and when unpacking (the sum itself is scaled by ``call.scale``)."""
+        """Factors applied when packing and when unpacking (the sum itself is scaled by ``call.scale``).
+
+        Returns:
+            ``(pack factor, unpack factor)``: 1 and 1 for buckets summed in their own dtype.
+        """
         return 1.0, 1.0
 
     def before_launch(self) -> Any:
@@ -404,7 +408,12 @@ class SparsePath:
 
 
 def assign(ctx: Context) -> list[Any]:
-    """The path of each bucket of ``ctx.plan`` (one object per kind, one per device)."""
+    """The path of each bucket of ``ctx.plan`` (one object per kind, one per device).
+
+    Returns:
+        One path per bucket, in plan order; consecutive buckets of one path
+        are reduced together by :func:`run`.
+    """
     host = HostPath(ctx)
     compressed = CompressedPath(ctx) if ctx.compression is not None else None
     devices: dict[str, DevicePath] = {}

@@ -6,8 +6,9 @@ MPI, so the plan can be built and tested in a single process.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -143,7 +144,7 @@ def make_plan(
     reverse: bool = False,
     first_bucket_bytes: int | None = None,
     exclude: Sequence[bool] = (),
-    wire_dtype=lambda dtype, device: reduction_dtype(dtype),
+    wire_dtype: Callable[[np.dtype, str], np.dtype] = lambda dtype, device: reduction_dtype(dtype),
 ) -> tuple[Bucket, ...]:
     """Group parameters into buckets, deterministically.
 
@@ -213,7 +214,7 @@ def make_plan(
     return tuple(buckets)
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
     if value < minimum:

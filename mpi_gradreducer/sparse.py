@@ -145,7 +145,7 @@ class RowSparse:
         out[rows] = summed
         return out
 
-    def coalesce(self) -> "RowSparse":
+    def coalesce(self) -> RowSparse:
         """The same gradient with sorted, unique row numbers.
 
         Returns:

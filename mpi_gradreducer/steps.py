@@ -29,7 +29,7 @@ class CommThread:
     """
 
     def __init__(self) -> None:
-        self._jobs: "queue.SimpleQueue[Callable[[], None] | None]" = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -48,7 +48,7 @@ class CommThread:
         self._thread = self._finalizer = None
 
 
-def _serve(jobs: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
+def _serve(jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -56,7 +56,7 @@ def _serve(jobs: "queue.SimpleQueue[Callable[[], None] | None]") -> None:
         job()
 
 
-def _stop(jobs: "queue.SimpleQueue[Callable[[], None] | None]", thread: threading.Thread) -> None:
+def _stop(jobs: queue.SimpleQueue[Callable[[], None] | None], thread: threading.Thread) -> None:
     jobs.put(None)
     thread.join()
 
@@ -81,8 +81,8 @@ class ReductionStep:
         grads: Sequence[Any],
         bucket_of: Sequence[int],
         members: Sequence[int],
-        launch: Callable[["ReductionStep", list[int]], None],
-        complete: Callable[["ReductionStep"], Sequence[Any]],
+        launch: Callable[[ReductionStep, list[int]], None],
+        complete: Callable[[ReductionStep], Sequence[Any]],
     ) -> None:
         self.grads = grads
         self._bucket_of = bucket_of
