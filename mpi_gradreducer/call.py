@@ -108,13 +108,10 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
     if checked is None:
         local = control.Local(number, contributing=False, views=plan.own_count == len(plan.checked) > 0,
                               asynchronous=asynchronous, sharded=sharded)
-        work: list[Any] = [None] * len(plan.specs)
+        work = plan.stand_ins()
         for i in plan.checked:
-            view = plan.own_views[i]
-            if view is not None:
-                view[...] = 0
-            work[i] = view if view is not None else zeros(plan.specs[i])
-        return Call(number, work, local, check_finite)
+            work[i][...] = 0
+        return Call(number, list(work), local, check_finite)
     local = control.Local(number, checked.error, True, checked.sparse, checked.absent, checked.views, asynchronous,
                           sharded)
     if checked.error is not None:

@@ -271,14 +271,7 @@ def compressed_allreduce(
         )
     if wire_buf.ndim != 1 or not wire_buf.flags.c_contiguous:
         raise ValueError(f"wire_buf: expected a 1-D contiguous array, got shape {wire_buf.shape}")
-    reduce = SliceSum(comm, compression, chunk_bytes, method)
-    calls = 0
-    for start in range(0, wire_buf.shape[0], reduce.step):
-        chunk = wire_buf[start : start + reduce.step]
-        calls += reduce(chunk, scale)
-        if after is not None:
-            after(chunk)
-    return calls
+    return SliceSum(comm, compression, chunk_bytes, method).reduce(wire_buf, scale, after)
 
 
 _METHODS = ("alltoall", "allreduce")
@@ -308,6 +301,19 @@ class SliceSum:
         self._recv: Any = None
         self._acc: Any = None
         self._layout: tuple[int, list[int], list[int], int] = (-1, [], [], 0)
+
+    def reduce(self, buf: Any, scale: float = 1.0, after: Callable[[Any], None] | None = None) -> int:
+        """Sum the 1-D wire buffer ``buf`` chunk by chunk (:meth:`__call__` each); returns the collectives made.
+
+        ``after`` is called with each reduced chunk.
+        """
+        calls = 0
+        for start in range(0, buf.shape[0], self.step):
+            chunk = buf[start : start + self.step]
+            calls += self(chunk, scale)
+            if after is not None:
+                after(chunk)
+        return calls
 
     def __call__(self, chunk: Any, scale: float = 1.0) -> int:
         """Sum ``chunk`` across ranks in place, times ``scale`` (rounded once); returns the collectives made."""

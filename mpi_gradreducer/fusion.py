@@ -182,6 +182,7 @@ class FusionPlan:
         self.own_views: list[Any] = [None] * len(specs)
         #: How many of the checked parameters have such a view.
         self.own_count = 0
+        self._stand_ins: list[Any] | None = None
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -191,6 +192,18 @@ class FusionPlan:
     def buffer_owners(self) -> set[int]:
         """``id`` of the memory owner of every allocated fusion buffer."""
         return {id(owner(f.buffer)) for f in self.buffers if f.buffer is not None}
+
+    def stand_ins(self) -> list[Any]:
+        """What a rank that has joined reduces: the own views where there are, else arrays made once.
+
+        None for the parameters that are not checked (skipped). The caller zeroes them.
+        """
+        if self._stand_ins is None or any(a is not v for a, v in zip(self._stand_ins, self.own_views) if v is not None):
+            self._stand_ins = [None] * len(self.specs)
+            for i in self.checked:
+                view = self.own_views[i]
+                self._stand_ins[i] = view if view is not None else zeros(self.specs[i])
+        return self._stand_ins
 
     def allocate_grads(self) -> list[Any]:
         """Zero-filled gradients; those of native buckets are views into one block per (device, dtype)."""

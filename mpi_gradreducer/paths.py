@@ -273,18 +273,8 @@ class CompressedPath(PackedPath):
 
 def _slice_sum(ctx: Context, summer: wire.SliceSum, k: int, buf: Any, call: Call, scale: float) -> None:
     """Sum bucket ``k``'s 16-bit ``buf`` chunk by chunk, each rank one slice in float32 (reused buffers)."""
-    check = call.finite_check(ctx.plan.buffers[k].limit)
-
-    def chunks() -> int:
-        calls = 0
-        for start in range(0, buf.shape[0], summer.step):
-            chunk = buf[start : start + summer.step]
-            calls += summer(chunk, scale)
-            if check is not None:
-                check(chunk)
-        return calls
-
-    ctx.instrument.stats.messages += ctx.instrument.collective(ctx.describe(k), call.number, chunks)
+    ctx.instrument.stats.messages += ctx.instrument.collective(
+        ctx.describe(k), call.number, summer.reduce, buf, scale, call.finite_check(ctx.plan.buffers[k].limit))
 
 
 class DevicePath:

@@ -64,6 +64,26 @@ def assert_same_on_all_ranks(comm: MPI.Comm, arrays) -> None:
     assert same[0] == 1, "results differ between ranks"
 
 
+#: Bytes of a failure report shared by :func:`agree_on_failures`.
+_REPORT_BYTES = 4096
+
+
+def agree_on_failures(failures: list[str]) -> None:
+    """Raise the same AssertionError on every rank when any rank has failures (the lowest such rank's)."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    first = np.array([rank if failures else size], dtype=np.int64)
+    WORLD.Allreduce(MPI.IN_PLACE, first, op=MPI.MIN)
+    who = int(first[0])
+    if who == size:
+        return
+    message = np.zeros(_REPORT_BYTES, dtype=np.uint8)
+    if rank == who:
+        text = "\n".join(failures).encode()[:_REPORT_BYTES]
+        message[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+    WORLD.Bcast(message, root=who)
+    raise AssertionError(f"rank {who}: " + bytes(message).rstrip(b"\0").decode(errors="replace"))
+
+
 def _cupy_devices() -> int:
     try:
         import cupy

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from conftest import WORLD
+from conftest import WORLD, agree_on_failures
 from mpi_gradreducer import DistributedGradReducer, RowSparse
 
 pytestmark = pytest.mark.mpi
@@ -47,7 +47,6 @@ SHAPES = {"small": (3,), "matrix": (2, 3), "skipped": (4, 2), "sparse": (6, 3), 
 #: ``large-last``: the large tensor is the first bucket (and carries the call header);
 #: ``large-first``: the fused small bucket does, and the large tensor follows.
 LAYOUTS = ("large-last", "large-first")
-_MESSAGE_BYTES = 4096
 
 IN_STEP = settings(
     max_examples=25,
@@ -492,18 +491,7 @@ def _in_step(case: Case, body: Callable[[], list[str]]) -> None:
         failures = body()
     except Exception as exc:  # noqa: BLE001 - recorded, then agreed on by every rank
         failures = [f"{type(exc).__name__}: {exc}"]
-    size, rank = WORLD.Get_size(), WORLD.Get_rank()
-    first = np.array([rank if failures else size], dtype=np.int64)
-    WORLD.Allreduce(MPI.IN_PLACE, first, op=MPI.MIN)
-    who = int(first[0])
-    if who == size:
-        return
-    message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-    if rank == who:
-        text = "\n".join(failures).encode()[:_MESSAGE_BYTES]
-        message[: len(text)] = np.frombuffer(text, dtype=np.uint8)
-    WORLD.Bcast(message, root=who)
-    raise AssertionError(f"rank {who}: " + bytes(message).rstrip(b"\0").decode(errors="replace"))
+    agree_on_failures(failures)
 
 
 # -- known gaps outside validation (over COMM_SELF: a local raise cannot strand other ranks) --

@@ -39,7 +39,7 @@ from hypothesis import HealthCheck, Phase, event, example, given, settings
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from conftest import WORLD
+from conftest import WORLD, agree_on_failures
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer.dtypes import supported_dtypes
 
@@ -51,7 +51,6 @@ STORAGES = ("separate", "shared", "bucket-order", "allocated")
 GROUPS = ("world", "dup", "split", "self")
 #: An example that takes longer than this on any rank aborts the job.
 EXAMPLE_SECONDS = 60.0
-_MESSAGE_BYTES = 4096
 
 IN_STEP = settings(
     max_examples=60,
@@ -183,7 +182,7 @@ def _in_step(case: Case, body: Callable[[Case], list[str]]) -> None:
             failures = body(case)
         except Exception as exc:  # noqa: BLE001 - recorded, then agreed on by every rank
             failures = [f"{type(exc).__name__}: {exc}"]
-        _agree(failures)
+        agree_on_failures(failures)
     finally:
         timer.cancel()
 
@@ -202,21 +201,6 @@ def _abort(why: str, case: Case) -> None:
     sys.stderr.write(f"\n=== rank {WORLD.Get_rank()}: {why}; aborting the job. This rank's example: {case!r}\n")
     sys.stderr.flush()
     WORLD.Abort(1)
-
-
-def _agree(failures: list[str]) -> None:
-    size, rank = WORLD.Get_size(), WORLD.Get_rank()
-    first = np.array([rank if failures else size], dtype=np.int64)
-    WORLD.Allreduce(MPI.IN_PLACE, first, op=MPI.MIN)
-    bad = int(first[0])
-    if bad == size:
-        return
-    message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
-    if rank == bad:
-        text = "\n".join(failures).encode()[: _MESSAGE_BYTES]
-        message[: len(text)] = np.frombuffer(text, dtype=np.uint8)
-    WORLD.Bcast(message, root=bad)
-    raise AssertionError(f"rank {bad}: " + bytes(message).rstrip(b"\0").decode(errors="replace"))
 
 
 # -- one example -------------------------------------------------------------------------
