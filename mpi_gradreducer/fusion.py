@@ -7,11 +7,14 @@ from typing import Any
 
 import numpy as np
 
+from mpi4py import MPI
+
 from . import backend
 from .compression import get_compression
 from .config import DIRECT_BYTES, FIRST_BUCKET_BYTES, Options
 from .dtypes import largest_finite, reduction_dtype, scaled_copy
 from .planning import Bucket, ParamSpec, make_plan
+from .transport import GATHER_MEMBERS, Gather
 
 __all__ = ["FusionBuffer", "FusionPlan", "distinct_caps", "join_runs", "owner", "plan_for", "zeros"]
 
@@ -22,9 +25,10 @@ class FusionBuffer:
     Args:
         bucket: the bucket from the plan.
         shapes: the shape of each member, in bucket order.
+        gather: copies many host members in one MPI call each way (else numpy copies each).
     """
 
-    def __init__(self, bucket: Bucket, shapes: Sequence[tuple[int, ...]]) -> None:
+    def __init__(self, bucket: Bucket, shapes: Sequence[tuple[int, ...]], gather: Gather | None = None) -> None:
         self.bucket = bucket
         #: True when MPI sums the members' own dtype, so that they can be
         #: reduced where they lie instead of being packed.
@@ -35,6 +39,7 @@ class FusionBuffer:
         self._compute_dtype = np.promote_types(bucket.dtype, bucket.wire_dtype)
         self._shapes = tuple(shapes)
         self._host = backend.is_host(bucket.device)
+        self._gather = gather if self.native and self._host and len(shapes) >= GATHER_MEMBERS else None
         self.buffer: Any = None
         self.views: list[Any] = []
 
@@ -73,7 +78,13 @@ class FusionBuffer:
         if not self._host:
             return self._device_copy(members, scale, False, skip)
         if self.native and scale == 1.0 and not skip:
-            np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
+            if self._gather is not None and self._gather.pack(members, self.buffer):
+                return 0
+            if len(members) < GATHER_MEMBERS:  # a few numpy copies cost less than one concatenate
+                for v, g in zip(self.views, members):
+                    np.copyto(v, g)
+            else:
+                np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
         else:
             for k, (v, g) in enumerate(zip(self.views, members)):
                 if skip and skip[k]:
@@ -91,6 +102,8 @@ class FusionBuffer:
         if not self._host:
             return self._device_copy(members, scale, True, skip)
         if self.native and scale == 1.0 and not skip:
+            if self._gather is not None and self._gather.unpack(self.buffer, members):
+                return 0
             copyto = np.copyto
             for v, g in zip(self.views, members):  # the common case: one C call per member, nothing else
                 copyto(g, v)
@@ -99,6 +112,11 @@ class FusionBuffer:
             if not (skip and skip[k]):
                 scaled_copy(v, g, scale, self._compute_dtype)
         return 0
+
+    def free(self) -> None:
+        """Release what the copies hold in MPI (rebuilt when needed)."""
+        if self._gather is not None:
+            self._gather.free()
 
     def _device_copy(self, members: Sequence[Any], scale: float, unpack: bool, skip: Sequence[bool]) -> int:
         """One batched kernel for contiguous device members, else one copy per member; returns launches."""
@@ -165,11 +183,15 @@ class FusionPlan:
         specs: every parameter.
         buckets: the plan (from :func:`plan_for`).
         checked: the parameters whose gradients are looked at (not skipped).
+        local: a duplicate of ``COMM_SELF`` for the buckets' :class:`~.transport.Gather`
+            copies (None: numpy copies only).
     """
 
-    def __init__(self, specs: Sequence[ParamSpec], buckets: Sequence[Bucket], checked: Sequence[int]) -> None:
+    def __init__(self, specs: Sequence[ParamSpec], buckets: Sequence[Bucket], checked: Sequence[int],
+                 local: MPI.Intracomm | None = None) -> None:
         self.specs = tuple(specs)
-        self.buffers = [FusionBuffer(b, [specs[i].shape for i in b.indices]) for b in buckets]
+        self.buffers = [FusionBuffer(b, [specs[i].shape for i in b.indices],
+                                     None if local is None else Gather(local, k)) for k, b in enumerate(buckets)]
         #: For each parameter, its bucket, or -1.
         self.bucket_of = [-1] * len(specs)
         for k, b in enumerate(buckets):
@@ -178,6 +200,10 @@ class FusionPlan:
         #: Parameters in some bucket, in plan order.
         self.bucketed = tuple(i for b in buckets for i in b.indices)
         self.checked = tuple(checked)
+        #: Every parameter is on the host.
+        self.host = all(backend.is_host(s.device) for s in self.specs)
+        #: ``(shape, dtype)`` of every parameter.
+        self.shapes_dtypes = [(s.shape, s.dtype) for s in self.specs]
         #: The views handed out by :meth:`allocate_grads` (None where none was).
         self.own_views: list[Any] = [None] * len(specs)
         #: How many of the checked parameters have such a view.
@@ -188,6 +214,11 @@ class FusionPlan:
     def buckets(self) -> tuple[Bucket, ...]:
         """The buckets, in the order they are sent."""
         return tuple(f.bucket for f in self.buffers)
+
+    def free(self) -> None:
+        """Release what the buffers' copies hold in MPI."""
+        for f in self.buffers:
+            f.free()
 
     def buffer_owners(self) -> set[int]:
         """``id`` of the memory owner of every allocated fusion buffer."""
@@ -228,7 +259,8 @@ class FusionPlan:
         return grads
 
 
-def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int) -> FusionPlan:
+def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
+             local: MPI.Intracomm | None = None) -> FusionPlan:
     """The reducer's plan: backward order, a small first bucket, large gradients alone.
 
     Host gradients travel in their own dtype (float16 and bfloat16 too: each
@@ -248,7 +280,7 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int) ->
         specs, options.ids, bucket_bytes, DIRECT_BYTES, reverse=True,
         first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=options.skip, wire_dtype=wire_dtype,
     )
-    return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip])
+    return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip], local)
 
 
 def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int]) -> list[int]:

@@ -135,6 +135,7 @@ class DistributedGradReducer:
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
         self._tuner: BucketTuner | None = None
+        self._local = MPI.COMM_SELF.Dup()  # the buckets' local copies (transport.Gather)
         if options.bucket_bytes is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
         self._build_plan(self._tuner.current() if self._tuner is not None else options.bucket_bytes)
@@ -152,7 +153,7 @@ class DistributedGradReducer:
     def _build_plan(self, bucket_bytes: int) -> None:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
         self._bucket_bytes = bucket_bytes
-        self._plan = plan_for(self._specs, self.options, bucket_bytes)
+        self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local)
         self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
         self._paths = paths.assign(self._ctx)
         self._sparse = paths.SparsePath(self._ctx)
@@ -259,6 +260,8 @@ class DistributedGradReducer:
         if self._compression is not None:
             self._compression.free()
         if self._comm != MPI.COMM_NULL:
+            self._plan.free()
+            self._local.Free()
             self._comm.Free()
 
     def __enter__(self) -> DistributedGradReducer:
@@ -295,6 +298,7 @@ class DistributedGradReducer:
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
         if self._tuner is not None and self._tuner.current() != self._bucket_bytes:
+            self._plan.free()
             self._build_plan(self._tuner.current())  # on every rank, before anything is sent
         checked = None
         if not joined:
@@ -332,6 +336,7 @@ class DistributedGradReducer:
         if tuner is not None:
             tuner.record(time.perf_counter() - t0)
             if tuner.finished:
+                self._plan.free()
                 self._build_plan(tuner.decide(self._comm))
                 self._tuner = None
         self._finish(call)

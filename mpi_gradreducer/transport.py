@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CHUNK_BYTES", "SPLIT_MEAN_BYTES", "allreduce", "cuda_support"]
+__all__ = ["CHUNK_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Gather", "allreduce", "cuda_support"]
 
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
@@ -19,6 +21,11 @@ CHUNK_BYTES = 4 << 20
 #: From this chunk size up, a mean is formed by reduce-scatter and allgather
 #: (each rank scales only its own block); below it one Allreduce has less latency.
 SPLIT_MEAN_BYTES = 256 << 10
+#: Members of a host bucket from which :class:`Gather` copies them in and out
+#: of its buffer (one MPI call each way) instead of one numpy copy per member.
+GATHER_MEMBERS = 8
+
+_contiguous = operator.attrgetter("flags.c_contiguous")
 
 
 def allreduce(
@@ -90,6 +97,68 @@ def _scale(a: Any, scale: float, out: Any = None) -> None:
     if a.dtype.kind == "c":
         a, out = a.view(a.real.dtype), out.view(out.real.dtype)
     np.multiply(a, scale, out=out)
+
+
+class Gather:
+    """Copies a bucket's host members into its contiguous buffer, and back, in one MPI call each way.
+
+    An ``hindexed`` datatype over the members' absolute addresses is built
+    when the members change (they are recognised by identity, through weak
+    references: the caller's arrays are not kept alive) and moved by
+    ``Sendrecv`` on a private duplicate of ``COMM_SELF``. For 1000 arrays of
+    4 KiB MPICH takes 0.17 ms each way where ``np.copyto`` per member takes
+    0.73 ms and ``np.concatenate`` 0.36 ms (one process; docs/performance.rst).
+
+    Args:
+        local: a duplicate of ``COMM_SELF`` that only gathers use.
+        tag: the bucket's tag on ``local`` (unique among the gathers sharing it).
+    """
+
+    def __init__(self, local: MPI.Intracomm, tag: int) -> None:
+        self._local, self._tag = local, tag
+        self._refs: list[weakref.ref[Any]] = []
+        self._type: MPI.Datatype | None = None
+
+    def pack(self, members: Sequence[Any], buffer: np.ndarray) -> bool:
+        """Copy ``members`` (in order, back to back) into ``buffer``; False (nothing done) when they cannot be."""
+        dt = self._datatype(members, buffer)
+        if dt is None:
+            return False
+        self._local.Sendrecv([MPI.BOTTOM, 1, dt], 0, self._tag, [buffer, MPI.BYTE], 0, self._tag)
+        return True
+
+    def unpack(self, buffer: np.ndarray, members: Sequence[Any]) -> bool:
+        """Copy ``buffer`` back into ``members``; False (nothing done) when they cannot be."""
+        dt = self._datatype(members, buffer)
+        if dt is None:
+            return False
+        self._local.Sendrecv([buffer, MPI.BYTE], 0, self._tag, [MPI.BOTTOM, 1, dt], 0, self._tag)
+        return True
+
+    def free(self) -> None:
+        """Release the datatype (it is rebuilt when needed)."""
+        if self._type is not None:
+            self._type.Free()
+        self._type, self._refs = None, []
+
+    def _datatype(self, members: Sequence[Any], buffer: np.ndarray) -> MPI.Datatype | None:
+        """The datatype over ``members``, or None unless they are C-contiguous numpy arrays filling ``buffer``.
+
+        An array's memory never moves while it lives, so the datatype stays
+        right as long as the same (still C-contiguous) arrays come.
+        """
+        refs = self._refs
+        if len(refs) == len(members) and all(map(operator.is_, [r() for r in refs], members)):
+            return self._type if all(map(_contiguous, members)) else None
+        self.free()
+        if not all(type(g) is np.ndarray and g.flags.c_contiguous for g in members):
+            return None
+        sizes = [g.nbytes for g in members]
+        if sum(sizes) != buffer.nbytes or any(g.base is not None and np.may_share_memory(g, buffer) for g in members):
+            return None  # a member that lies in the buffer itself is copied by numpy
+        self._type = MPI.BYTE.Create_hindexed(sizes, [MPI.Get_address(g) for g in members]).Commit()
+        self._refs = [weakref.ref(g) for g in members]
+        return self._type
 
 
 def cuda_support() -> tuple[bool | None, str]:

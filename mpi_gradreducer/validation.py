@@ -6,9 +6,11 @@ Local only: :mod:`agreement` makes every rank reach the same verdict.
 from __future__ import annotations
 
 import ctypes
+import operator
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -58,7 +60,15 @@ def check_grads(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
         return Checked(TypeError(f"grads: could not be checked ({exc!r})"))
 
 
+_shape_dtype = operator.attrgetter("shape", "dtype")
+_writeable = operator.attrgetter("flags.writeable")
+_base = operator.attrgetter("base")
+
+
 def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
+    plain = _plain(grads, plan)
+    if plain is not None:
+        return plain if not aliasing or plain.views else Checked(_plain_aliasing_error(grads, plan), arrays=grads)
     n = len(plan.specs)
     if not isinstance(grads, Sequence):
         return Checked(TypeError(
@@ -112,6 +122,32 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
         dense = [i for i in plan.bucketed if i not in skip] if skip else plan.bucketed
         error = _aliasing_error(arrays, dense, own, plan.buffer_owners(), foreign=arrays is not grads)
     return Checked(error, tuple(sparse), tuple(absent), views > 0 and views == plan.own_count, arrays)
+
+
+def _plain(grads: Any, plan: FusionPlan) -> Checked | None:
+    """The verdict for the common case, in C-level loops: a list of host numpy arrays that fit the plan.
+
+    Either every checked gradient is the reducer's own view, or none is and
+    each is a writeable ``np.ndarray`` of its parameter's shape and dtype, with
+    no parameter skipped; otherwise None (the item by item checks decide).
+    """
+    if type(grads) is not list or len(grads) != len(plan.specs) or not plan.host:
+        return None
+    if plan.own_count:
+        if plan.own_count == len(grads) and all(map(operator.is_, grads, plan.own_views)):
+            return Checked(None, views=True, arrays=grads)
+        return None
+    if (len(plan.checked) == len(grads) and set(map(type, grads)) == {np.ndarray}
+            and list(map(_shape_dtype, grads)) == plan.shapes_dtypes and all(map(_writeable, grads))):
+        return Checked(None, arrays=grads)
+    return None
+
+
+def _plain_aliasing_error(grads: list[np.ndarray], plan: FusionPlan) -> Exception | None:
+    """:func:`_aliasing_error` for :func:`_plain` arrays, with its common case in C-level loops."""
+    if all(map(operator.is_, map(_base, grads), repeat(None))) and len(set(map(id, grads))) == len(grads):
+        return None  # distinct arrays that own their memory (not the fusion buffers, which have no views passed)
+    return _aliasing_error(grads, plan.bucketed, plan.own_views, plan.buffer_owners())
 
 
 def _host_array(v: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
 from mpi_gradreducer import transport
@@ -34,3 +35,55 @@ def test_large_means_take_the_reduce_scatter_path():
     calls = transport.allreduce(WORLD, buf, 0.5, chunk_bytes=buf.nbytes)
     assert calls == (2 if WORLD.Get_size() > 1 else 1)
     np.testing.assert_array_equal(buf, WORLD.Get_size() * 0.5)
+
+
+@pytest.fixture
+def local():
+    comm = MPI.COMM_SELF.Dup()
+    yield comm
+    comm.Free()
+
+
+def _members(rng, count, dtype="float64"):
+    return [rng.standard_normal(int(rng.integers(0, 40))).astype(dtype).reshape(-1) for _ in range(count)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "complex128"])
+def test_gather_copies_members_both_ways_and_rebuilds_when_they_change(local, dtype):
+    rng = np.random.default_rng(7)
+    g = transport.Gather(local, tag=3)
+    for _ in range(3):  # new arrays each round: the datatype is rebuilt
+        members = _members(rng, 50, dtype)
+        buf = np.empty(sum(m.size for m in members), dtype)
+        for _ in range(2):  # the same arrays again: the datatype is reused
+            assert g.pack(members, buf)
+            np.testing.assert_array_equal(buf, np.concatenate(members))
+            expected = rng.standard_normal(buf.shape[0]).astype(dtype)
+            buf[...] = expected
+            assert g.unpack(buf, members)
+            np.testing.assert_array_equal(np.concatenate(members), expected)
+    g.free()
+    g.free()  # idempotent
+
+
+def test_gather_declines_what_it_cannot_address(local):
+    rng = np.random.default_rng(8)
+    g = transport.Gather(local, tag=0)
+    members = _members(rng, 10)
+    buf = np.empty(sum(m.size for m in members))
+    assert g.pack(members, buf)
+    before = buf.copy()
+    strided = np.zeros(2 * members[4].size)[::2]
+    for other in (members[:4] + [strided] + members[5:],  # not C-contiguous
+                  members[:-1],  # does not fill the buffer
+                  members[:-1] + [buf[-members[-1].size:]],  # lies in the buffer itself
+                  members[:-1] + [list(members[-1])]):  # not an array
+        assert not g.pack(other, buf)
+        assert not g.unpack(buf, other)
+        np.testing.assert_array_equal(buf, before)  # nothing was copied
+    assert g.pack(members, buf)  # and it recovers
+    del members[3]  # a member that dies is not mistaken for a new one at its address
+    members.insert(3, np.full(_members(np.random.default_rng(8), 10)[3].size, 5.0))
+    assert g.pack(members, buf)
+    np.testing.assert_array_equal(buf, np.concatenate(members))
+    g.free()
