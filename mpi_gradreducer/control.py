@@ -28,9 +28,10 @@ travels alone (:func:`exchange`).
 
 from __future__ import annotations
 
+import struct
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -50,9 +51,8 @@ DENSE, ABSENT, SPARSE = 0, 1, 2
 _FIXED = 4
 
 
-@dataclass(frozen=True)
-class Local:
-    """This rank's part of a call's header.
+class Local(NamedTuple):
+    """This rank's part of a call's header (records of the header are tuples: cheap to make, immutable).
 
     Attributes:
         call: the call's number.
@@ -78,20 +78,23 @@ class Local:
 
     def values(self) -> list[int]:
         """The header's integers (a joined rank's digests are zero: it knows no structure)."""
-        on = self.contributing and self.error is None
         kind = int(self.asynchronous) + 2 * int(self.sharded)
-        digests = _digests([self.call, kind, *self.sparse]) if on else [0] * _DIGESTS
+        if self.contributing and self.error is None:
+            d = _digests((self.call, kind, *self.sparse))
+            digests = [d[0], d[1], d[2], d[0] * d[0], d[1] * d[1], d[2] * d[2]]
+        else:
+            digests = [0] * (2 * _DIGESTS)
         return [int(self.error is not None), int(self.contributing), int(bool(self.absent)), int(self.views),
-                int(self.asynchronous), int(self.sharded), *digests, *(d * d for d in digests)]
+                int(self.asynchronous), int(self.sharded), *digests]
 
     def write(self, slots: np.ndarray) -> None:
         """Store the header in the first :data:`SLOTS` real values of ``slots``."""
         slots[:SLOTS] = self.values()
-        slots[SLOTS:] = 0
+        if slots.shape[0] > SLOTS:
+            slots[SLOTS:] = 0
 
 
-@dataclass(frozen=True)
-class Summary:
+class Summary(NamedTuple):
     """What the summed header tells every rank (the same everywhere)."""
 
     failed: int
@@ -103,13 +106,13 @@ class Summary:
     agree: bool
 
     @classmethod
-    def of(cls, sums: Sequence[float]) -> Summary:
-        """Read summed header values."""
-        v = np.rint(np.asarray(sums[:SLOTS], dtype=np.float64)).astype(np.int64).tolist()
+    def of(cls, sums: np.ndarray) -> Summary:
+        """Read summed header values (the first :data:`SLOTS` of a real array; exact integers)."""
+        v = [round(x) for x in sums[:SLOTS].tolist()]
         contributors = v[1]
-        agree = all(contributors * v[6 + _DIGESTS + j] == v[6 + j] ** 2 for j in range(_DIGESTS))
-        return cls(failed=v[0], contributors=contributors, attention=v[2], views=v[3], asynchronous=v[4],
-                   sharded=v[5], agree=agree)
+        agree = (contributors * v[9] == v[6] ** 2 and contributors * v[10] == v[7] ** 2
+                 and contributors * v[11] == v[8] ** 2)  # digests in slots 6-8, their squares in 9-11
+        return cls(*v[:6], agree)  # failed, contributors, attention, views, asynchronous, sharded
 
     def healthy(self, size: int) -> bool:
         """Every rank valid, contributing, starting the call the same way, with the same structure, no None."""
@@ -117,8 +120,7 @@ class Summary:
                 and self.asynchronous in (0, size) and self.sharded in (0, size))
 
 
-@dataclass(frozen=True)
-class CallInfo:
+class CallInfo(NamedTuple):
     """A call's structure, the same on every rank, after the header was read.
 
     Attributes:
@@ -234,7 +236,7 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
                     bool(first[3]))
 
 
-def _digests(values: Sequence[int]) -> list[int]:
-    """Three 8-bit digests of ``values``: bytes of their CRC-32."""
-    d = zlib.crc32(np.asarray(values, dtype=np.int64).tobytes())
-    return [(d >> (8 * j)) & 0xFF for j in range(_DIGESTS)]
+def _digests(values: Sequence[int]) -> tuple[int, int, int]:
+    """Three 8-bit digests of ``values``: bytes of the CRC-32 of their 64-bit little-endian form."""
+    d = zlib.crc32(struct.pack(f"<{len(values)}q", *values))
+    return d & 0xFF, (d >> 8) & 0xFF, (d >> 16) & 0xFF

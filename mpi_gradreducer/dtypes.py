@@ -72,17 +72,30 @@ def scaled_copy(src: Any, dst: Any, scale: float = 1.0, compute: Any = None) -> 
     if dst.shape != src.shape:
         dst = dst.reshape(src.shape)
     xp = np if isinstance(dst, np.ndarray) else sys.modules["cupy"]  # a cupy array: cupy is imported
+    same = src.dtype == dst.dtype and (compute is None or compute == src.dtype)
+    if same and -1.0 <= scale <= 1.0:  # nothing can overflow: no error state to set
+        if scale != 1.0:
+            _multiply(xp, src, scale, dst)
+        elif src is not dst:
+            xp.copyto(dst, src)
+        return
     with np.errstate(over="ignore"):
         if scale == 1.0:
-            if src is not dst:
-                xp.copyto(dst, src, casting="unsafe")
+            xp.copyto(dst, src, casting="unsafe")
             return
         if compute is None:
             compute = np.promote_types(src.dtype, dst.dtype)
-        if dst.dtype.kind == "c" and src.dtype == dst.dtype and src.flags.c_contiguous and dst.flags.c_contiguous:
-            src, dst = src.view(src.real.dtype), dst.view(dst.real.dtype)
-            compute = src.dtype
-        xp.multiply(src, scale, out=dst, dtype=compute, casting="unsafe")
+        if same:
+            _multiply(xp, src, scale, dst)
+        else:
+            xp.multiply(src, scale, out=dst, dtype=compute, casting="unsafe")
+
+
+def _multiply(xp: Any, src: Any, scale: float, dst: Any) -> None:
+    """``dst = src * scale`` in their one dtype; complex values component-wise (where both are contiguous)."""
+    if dst.dtype.kind == "c" and src.flags.c_contiguous and dst.flags.c_contiguous:
+        src, dst = src.view(src.real.dtype), dst.view(dst.real.dtype)
+    xp.multiply(src, scale, out=dst)
 
 
 def digest(values: Sequence[Any]) -> int:

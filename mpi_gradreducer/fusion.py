@@ -82,7 +82,7 @@ class FusionBuffer:
                 return 0
             if len(members) < GATHER_MEMBERS:  # a few numpy copies cost less than one concatenate
                 for v, g in zip(self.views, members):
-                    np.copyto(v, g)
+                    v[...] = g
             else:
                 np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
         else:
@@ -104,9 +104,8 @@ class FusionBuffer:
         if self.native and scale == 1.0 and not skip:
             if self._gather is not None and self._gather.unpack(self.buffer, members):
                 return 0
-            copyto = np.copyto
             for v, g in zip(self.views, members):  # the common case: one C call per member, nothing else
-                copyto(g, v)
+                g[...] = v
             return 0
         for k, (v, g) in enumerate(zip(self.views, members)):
             if not (skip and skip[k]):

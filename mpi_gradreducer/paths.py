@@ -60,15 +60,20 @@ class Context:
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
         self._message: Any = None  # the carrier's first message: header, then its head
+        self._slots: Any = None  # its header, as real values
+        self._body: Any = None  # the rest: the carrier's first elements
         self._packs_behind_header = carried and first.count <= self.head_count()
         if self._packs_behind_header:  # a small first bucket is packed straight behind the header: no copies
             plan.buffers[0].allocate(self._first_message()[control.lead(first.wire_dtype):])
 
     def _first_message(self) -> Any:
-        """The buffer of the first message (allocated once)."""
+        """The buffer of the first message (allocated once), its header slots and its body."""
         if self._message is None:
             b = self.plan.buffers[0].bucket
-            self._message = backend.empty(control.lead(b.wire_dtype) + self.head_count(), b.wire_dtype, "cpu")
+            lead = control.lead(b.wire_dtype)
+            self._message = backend.empty(lead + self.head_count(), b.wire_dtype, "cpu")
+            self._slots = control.real_view(self._message[:lead])
+            self._body = self._message[lead:]
         return self._message
 
     def head_count(self) -> int:
@@ -84,12 +89,11 @@ class Context:
         some rank's input is bad; nothing of the caller's has been modified
         then.
         """
-        b = self.plan.buffers[0].bucket
-        lead = control.lead(b.wire_dtype)
         msg = self._first_message()
-        call.local.write(control.real_view(msg[:lead]))
-        body = msg[lead:]
-        same = packed and self.plan.buffers[0].buffer.base is msg  # packed straight behind the header
+        slots = self._slots
+        call.local.write(slots)
+        body = self._body
+        same = packed and self.plan.buffers[0].buffer.base is msg  # the carrier's buffer is the body itself
         if head is None:
             body[...] = 0
         elif not same:
@@ -99,7 +103,7 @@ class Context:
                                        self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
         self.instrument.stats.messages += 1
         assert call.settle is not None
-        call.settle(control.Summary.of(control.real_view(msg[:lead])))
+        call.settle(control.Summary.of(slots))
         if head is not None:
             scaled_copy(body, body if same else head, call.scale)
             check = call.finite_check(self.plan.buffers[0].limit)

@@ -24,7 +24,6 @@ tested on a GPU).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,7 +132,7 @@ def arrays_only(checked: Checked) -> Checked:
         i = checked.absent[0]
         error = TypeError(f"grads[{i}]: reduce_scatter() takes an array for every parameter, got None; "
                           "pass zeros")
-    return dataclasses.replace(checked, error=error)
+    return checked._replace(error=error)
 
 
 class Sharder:

@@ -9,9 +9,8 @@ import ctypes
 import operator
 import sys
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from itertools import repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -23,8 +22,7 @@ from .sparse import RowSparse
 __all__ = ["Checked", "check_grads"]
 
 
-@dataclass(frozen=True)
-class Checked:
+class Checked(NamedTuple):
     """What the local checks found.
 
     Attributes:
