@@ -18,7 +18,7 @@ from mpi_gradreducer.bench.torch_methods import torch_ingestion
 
 pytestmark = pytest.mark.mpi
 
-ALWAYS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard")
+ALWAYS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard")
 
 
 def _shared_tempdir() -> str:
@@ -66,6 +66,7 @@ def test_main_writes_every_method_with_positive_times(run):
         assert math.isfinite(m["busbw_GBps"]) and m["busbw_GBps"] >= 0
     assert res["methods"]["limit"]["ratio_to_limit"] == 1.0
     assert math.isfinite(res["validation_cost_percent"])
+    assert res["reducer_over_floor"] > 0 and res["messages"]["packed-floor"] == 1
     assert returned["workloads"]["many-small"]["methods"].keys() == res["methods"].keys()
 
 
@@ -118,3 +119,12 @@ def test_methods_can_be_chosen():
     assert set(res["methods"]) == {"limit", "reducer"}
     assert "validation_cost_percent" not in res and "always_over_never" not in res
     assert res["reducer_over_one_allreduce"] > 0
+
+
+def test_packed_floor_is_skipped_alike_for_several_dtypes():
+    from mpi_gradreducer.bench.workloads import Workload
+
+    wl = Workload("two", ((5,), (7,)), (np.dtype(np.float32), np.dtype(np.float64)), "two dtypes")
+    res = host.bench_workload(WORLD, wl, ("limit", "packed-floor", "reducer"), None, "no torch", 1, 0)
+    assert res["skipped"] == {"packed-floor": "gradients of several dtypes"}
+    assert "packed-floor" not in res["methods"] and "reducer" in res["methods"]

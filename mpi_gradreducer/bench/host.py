@@ -29,6 +29,13 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     cross-rank validation (printed as ``< noise`` when it comes out negative).
 ``reducer-views``
     The reducer on the arrays of ``reducer.allocate_grads()`` (no copies).
+``packed-floor``
+    The least that any reducer which packs separate arrays must do, written
+    by hand with nothing else: one copy of all gradients into a preallocated
+    buffer (one MPI call over an ``hindexed`` datatype made once), the
+    ``Allreduce`` in chunks of 1 MiB, each chunk scaled by ``1 / size``, one
+    copy back. No checks, no header. Single-dtype workloads only;
+    ``reducer / packed-floor`` is printed.
 ``reducer-shard``
     What a sharded (ZeRO-style) optimizer's step sends with the reducer's
     plan: ``reducer.reduce_scatter(grads)``, each piece copied into its
@@ -83,8 +90,8 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
-METHODS = ("limit", "per-tensor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard", "reducer-torch",
-           "torch-gloo")
+METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard",
+           "reducer-torch", "torch-gloo")
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
 LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
 #: The limit case that is one Allreduce of all the bytes.
@@ -100,11 +107,14 @@ class _Methods:
     limit_sizes: dict[str, int] = field(default_factory=dict)
     messages: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
+    handles: list[Any] = field(default_factory=list)
 
     def free(self) -> None:
-        """Free every reducer built."""
+        """Free every reducer and MPI handle made."""
         for r in self.reducers.values():
             r.free()
+        for h in self.handles:
+            h.Free()
 
 
 def _per_tensor(comm: MPI.Comm, grads: Sequence[np.ndarray]) -> None:
@@ -112,6 +122,31 @@ def _per_tensor(comm: MPI.Comm, grads: Sequence[np.ndarray]) -> None:
     for g in grads:
         comm.Allreduce(MPI.IN_PLACE, g)
         np.multiply(g, scale, out=g)
+
+
+def _add_packed_floor(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
+    """``packed-floor``: pack (one MPI call), chunked Allreduce with scaling, unpack (one MPI call)."""
+    if len({g.dtype for g in grads}) != 1:
+        m.skipped["packed-floor"] = "gradients of several dtypes"
+        return
+    buf = np.empty(sum(g.size for g in grads), grads[0].dtype)
+    local = MPI.COMM_SELF.Dup()
+    m.handles.append(local)
+    members = MPI.BYTE.Create_hindexed([g.nbytes for g in grads], [MPI.Get_address(g) for g in grads]).Commit()
+    m.handles.append(members)
+    step, scale = max(1, MIB // buf.itemsize), 1.0 / comm.Get_size()
+
+    def run() -> None:
+        local.Sendrecv([MPI.BOTTOM, 1, members], 0, 0, [buf, MPI.BYTE], 0, 0)
+        for start in range(0, buf.shape[0], step):
+            chunk = buf[start : start + step]
+            comm.Allreduce(MPI.IN_PLACE, chunk)
+            np.multiply(chunk, scale, out=chunk)
+        local.Sendrecv([buf, MPI.BYTE], 0, 0, [MPI.BOTTOM, 1, members], 0, 0)
+
+    m.messages["packed-floor"] = -(-buf.nbytes // MIB)
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    m.cases.append(Case("packed-floor", filler(grads, value), run, lambda: all_close(grads, mean)))
 
 
 def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params: list[np.ndarray]) -> None:
@@ -176,6 +211,8 @@ def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray]
             m.messages["per-tensor"] = wl.count
             m.cases.append(Case("per-tensor", filler(grads, value), lambda: _per_tensor(comm, grads),
                                 lambda: all_close(grads, mean)))
+        if "packed-floor" in methods:
+            _add_packed_floor(comm, grads, m)
         _add_reducers(comm, grads, methods, m)
         if "reducer-torch" in methods:
             _add_torch_reducer(comm, grads, torch_unsupported, m)
@@ -253,6 +290,7 @@ def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -
     pairs = {"torch_over_reducer": ("reducer-torch", "reducer"),
              "reducer_over_one_allreduce": ("reducer", _WHOLE),
              "always_over_never": ("reducer", "reducer-novalidate"),
+             "reducer_over_floor": ("reducer", "packed-floor"),
              "shard_over_reducer": ("reducer-shard", "reducer")}
     return {key: results[a]["median_ms"] / results[b]["median_ms"]
             for key, (a, b) in pairs.items() if a in times and b in times}
@@ -319,6 +357,9 @@ def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
                      f"(reduce_scatter + allgather against the Allreduce of the same plan)")
     if name == "small" and "reducer_over_one_allreduce" in res:
         lines.append(f"  reducer / one Allreduce of all {res['bytes']} bytes = {res['reducer_over_one_allreduce']:.2f}")
+    if "reducer_over_floor" in res:
+        lines.append(f"  reducer / packed-floor = {res['reducer_over_floor']:.2f} "
+                     "(against the least a reducer that packs must do)")
     if name == "small" and "always_over_never" in res:
         lines.append(f"  validate=\"always\" / validate=\"never\" = {res['always_over_never']:.2f}")
     if "validation_cost_percent" in res:
