@@ -140,20 +140,19 @@ class FusionBuffer:
 def join_runs(a: Any, b: Any) -> Any | None:
     """One 1-D view covering host runs ``a`` and ``b`` when ``b`` starts where ``a`` ends, else None.
 
-    Both must be views of one C-contiguous base array of their dtype (as the
-    blocks of ``allocate_grads`` are), so that one chunked Allreduce can run
+    Both must be views of one C-contiguous base array (as the blocks of
+    ``allocate_grads`` are; the base may be of another dtype, such as the
+    bytes of a huge-page mapping), so that one chunked Allreduce can run
     across the boundary.
     """
     base = a.base
-    if not isinstance(base, np.ndarray) or b.base is not base or base.dtype != a.dtype or b.dtype != a.dtype:
-        return None
-    if not base.flags.c_contiguous:
+    if not isinstance(base, np.ndarray) or b.base is not base or b.dtype != a.dtype or not base.flags.c_contiguous:
         return None
     start = a.__array_interface__["data"][0]
     if b.__array_interface__["data"][0] != start + a.nbytes:
         return None
-    first = (start - base.__array_interface__["data"][0]) // a.itemsize
-    return base.reshape(-1)[first : first + a.size + b.size]
+    first = start - base.__array_interface__["data"][0]
+    return base.reshape(-1).view(np.uint8)[first : first + a.nbytes + b.nbytes].view(a.dtype)
 
 
 def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Any | None:

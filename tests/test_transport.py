@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import mmap
+import os
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer import transport
+from mpi_gradreducer import backend, transport
 
 pytestmark = pytest.mark.mpi
 
@@ -88,3 +91,31 @@ def test_gather_declines_what_it_cannot_address(local):
     assert g.pack(members, buf)
     np.testing.assert_array_equal(buf, np.concatenate(members))
     g.free()
+
+
+def _vm_flags(a: np.ndarray) -> list[str]:
+    """The kernel's VmFlags of the mapping that holds ``a`` (Linux ``/proc/self/smaps``)."""
+    address, inside = a.ctypes.data, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "VmFlags:":
+                return line.split()[1:]
+    return []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "complex128", "uint16"])
+@pytest.mark.parametrize("nbytes", [40, backend.HUGE_PAGE // 2, 3 * backend.HUGE_PAGE + 8])
+def test_host_buffers_from_1_mib_are_advised_huge_pages(dtype, nbytes):
+    count = max(1, nbytes // np.dtype(dtype).itemsize)
+    a = backend.empty(count, np.dtype(dtype), "cpu")
+    assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous
+    a[...] = 3
+    assert (a == 3).all()
+    if a.nbytes >= backend.HUGE_PAGE // 2 and hasattr(mmap, "MADV_HUGEPAGE"):
+        assert a.ctypes.data % backend.HUGE_PAGE == 0
+        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with huge pages
+            assert "hg" in _vm_flags(a)  # madvise(MADV_HUGEPAGE) took

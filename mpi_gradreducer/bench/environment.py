@@ -17,9 +17,9 @@ from typing import Any, Sequence
 
 from mpi4py import MPI
 
-from .. import info, reducer as reducer_module, transport
+from .. import backend, info, reducer as reducer_module, transport
 
-__all__ = ["PREFIXES", "constants", "environment", "loadavg"]
+__all__ = ["PREFIXES", "constants", "environment", "huge_pages", "loadavg"]
 
 #: Environment variables recorded in a results file: those that start with one of these.
 PREFIXES = ("MPIR_CVAR_", "MPICH_", "MPI_GRADREDUCER_", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -29,12 +29,25 @@ def constants() -> dict[str, int]:
     """The reducer's size constants at the time of the run."""
     return {"DEFAULT_BUCKET_BYTES": reducer_module.DEFAULT_BUCKET_BYTES,
             "DIRECT_BYTES": reducer_module.DIRECT_BYTES,
-            "CHUNK_BYTES": transport.CHUNK_BYTES}
+            "CHUNK_BYTES": transport.CHUNK_BYTES,
+            "GATHER_MEMBERS": transport.GATHER_MEMBERS,
+            "HUGE_PAGE": backend.HUGE_PAGE}
 
 
 def loadavg() -> list[float] | None:
     """The load average (1, 5, 15 minutes), where the system has one."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def huge_pages() -> str | None:
+    """The system's transparent huge page mode (``always``, ``madvise`` or ``never``), where it tells."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return None
+    chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
 
 
 def _version(package: str) -> str | None:
@@ -57,7 +70,7 @@ def environment(comm: MPI.Intracomm, module: str, argv: Sequence[str],
     Returns:
         :func:`mpi_gradreducer.info.collect`'s facts (without ``rank``), with
         ``mpi_library_version``, ``torch``, ``hostname``, ``cpu_count``,
-        ``platform``, ``loadavg_at_start``, ``date``, ``command_line``,
+        ``platform``, ``transparent_huge_pages``, ``loadavg_at_start``, ``date``, ``command_line``,
         ``argv``, ``environment_variables`` and ``constants``.
     """
     facts = info.collect(comm)
@@ -69,6 +82,7 @@ def environment(comm: MPI.Intracomm, module: str, argv: Sequence[str],
         "hostname": socket.gethostname(),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
+        "transparent_huge_pages": huge_pages(),
         "loadavg_at_start": loadavg(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command_line": " ".join([os.path.basename(sys.executable), "-m", module, *argv]),

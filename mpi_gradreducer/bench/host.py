@@ -17,7 +17,7 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
 
 ``limit``
     ``Allreduce(MPI.IN_PLACE, buf)`` over one preallocated contiguous float32
-    buffer of the same bytes, in chunks of 256 KiB, 1, 4, 16 MiB or whole; the
+    buffer of the same bytes (allocated as the reducer's: on huge pages from 1 MiB), in chunks of 256 KiB, 1, 4, 16 MiB or whole; the
     fastest chunk size (by median) is the limit, and is reported.
 ``per-tensor``
     One in-place Allreduce per gradient, each followed by a multiplication by
@@ -32,7 +32,8 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
 ``packed-floor``
     The least that any reducer which packs separate arrays must do, written
     by hand with nothing else: one copy of all gradients into a preallocated
-    buffer (one MPI call over an ``hindexed`` datatype made once), the
+    buffer (allocated as the reducer's, on huge pages from 1 MiB; one MPI
+    call over an ``hindexed`` datatype made once), the
     ``Allreduce`` in chunks of 1 MiB, each chunk scaled by ``1 / size``, one
     copy back. No checks, no header. Single-dtype workloads only;
     ``reducer / packed-floor`` is printed.
@@ -75,6 +76,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer
+from ..backend import empty
 from .cli import RankParser, add_shared_options, run_as_script, start
 from .counters import reducer_stats
 from .environment import environment, loadavg
@@ -129,7 +131,7 @@ def _add_packed_floor(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods)
     if len({g.dtype for g in grads}) != 1:
         m.skipped["packed-floor"] = "gradients of several dtypes"
         return
-    buf = np.empty(sum(g.size for g in grads), grads[0].dtype)
+    buf = empty(sum(g.size for g in grads), grads[0].dtype, "cpu")  # as the reducer's buffers (huge pages)
     local = MPI.COMM_SELF.Dup()
     m.handles.append(local)
     members = MPI.BYTE.Create_hindexed([g.nbytes for g in grads], [MPI.Get_address(g) for g in grads]).Commit()
