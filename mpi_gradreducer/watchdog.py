@@ -44,11 +44,17 @@ REPLY_WINDOW = 3.0
 MAX_POLL = 0.25
 
 
+#: Seconds between the last words of a rank that aborts the job and the abort.
+ABORT_GRACE = 0.2
+
+
 def abort_job(code: int = 1) -> NoReturn:
     """End every process of the job, without a crash report; never returns.
 
-    Flushes ``sys.stdout`` and ``sys.stderr``, then calls ``MPI_Abort`` on
-    ``MPI.COMM_WORLD``, which asks the launcher to kill every rank. The MPI
+    Flushes ``sys.stdout`` and ``sys.stderr`` and waits :data:`ABORT_GRACE`
+    seconds, so that the launcher has forwarded what was just written (a
+    traceback was seen cut after two lines under load without it), then calls
+    ``MPI_Abort`` on ``MPI.COMM_WORLD``, which asks the launcher to kill every rank. The MPI
     library ends the calling process with ``exit()``, which would run C++
     static destructors and ``atexit`` handlers (torch's, for instance) while
     other threads are still inside MPI or those libraries: a segmentation
@@ -64,6 +70,7 @@ def abort_job(code: int = 1) -> NoReturn:
             stream.flush()
         except Exception:  # a closed or broken stream must not stop the abort
             pass
+    time.sleep(ABORT_GRACE)
     _exit_on_exit()
     try:
         MPI.COMM_WORLD.Abort(code)
