@@ -128,3 +128,16 @@ def test_packed_floor_is_skipped_alike_for_several_dtypes():
     res = host.bench_workload(WORLD, wl, ("limit", "packed-floor", "reducer"), None, "no torch", 1, 0)
     assert res["skipped"] == {"packed-floor": "gradients of several dtypes"}
     assert "packed-floor" not in res["methods"] and "reducer" in res["methods"]
+
+
+def test_pages_sweep_times_the_same_allreduces_over_three_memories():
+    from mpi_gradreducer.bench import sweeps
+    from mpi_gradreducer.bench.workloads import Workload
+
+    f32 = np.dtype(np.float32)
+    wl = Workload("two", ((1 << 18,), (3, 1 << 18), (5,)), (f32, f32, f32), "two large tensors, one small")
+    res = sweeps.sweep_pages(WORLD, wl, 1, 0)
+    assert (res["tensors"], res["bytes"]) == (2, 4 << 20)
+    assert [row["memory"] for row in res["rows"]] == ["tensors", "huge pages", "small pages"]
+    assert all(math.isfinite(row["median_ms"]) and row["median_ms"] > 0 for row in res["rows"])
+    assert "memory pages" in sweeps.format_sweeps({"pages": res})

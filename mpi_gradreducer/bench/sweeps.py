@@ -2,30 +2,34 @@
 
 ``--sweep`` runs them: the reducer at several ``bucket_bytes`` (ResNet-50 and
 many-small); the chunk size of the in-place transport on ResNet-50's large
-tensors; and, for one tensor of 16 KiB to 4 MiB, packing it into a fused
-buffer against reducing it alone in place. ``--plot`` adds the curve: single
+tensors; for one tensor of 16 KiB to 4 MiB, packing it into a fused
+buffer against reducing it alone in place; and the same Allreduces over
+ResNet-50's large tensors where they lie, against one buffer on huge pages
+and one on ordinary pages (what memory pages cost MPI). ``--plot`` adds the curve: single
 Allreduces of 4 KiB to 64 MiB.
 """
 
 from __future__ import annotations
 
+import mmap
 import statistics
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .. import DistributedGradReducer, reducer as reducer_module, transport
-from .limit import limit_cases
+from .. import DistributedGradReducer, backend, reducer as reducer_module, transport
+from .environment import huge_pages
+from .limit import chunked_allreduce, limit_cases
 from .output import KIB, MIB, size_label
 from .timing import Case, all_close, expected_sum, fill_value, filler, summary, time_cases
 from .workloads import Workload, resnet50
 
 __all__ = ["CURVE_SIZES", "SWEEPS", "allreduce_curve", "format_sweeps", "run_sweeps", "sweep_buckets", "sweep_chunks",
-           "sweep_direct"]
+           "sweep_direct", "sweep_pages"]
 
 #: The experiments of ``--sweep``.
-SWEEPS = ("buckets", "chunks", "direct")
+SWEEPS = ("buckets", "chunks", "direct", "pages")
 #: ``bucket_bytes`` values of the reducer sweep.
 SWEEP_BUCKETS = (256 * KIB, 512 * KIB, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB, 16 * MIB, 25 * MIB)
 #: Chunk sizes of the reducer sweep's limit.
@@ -124,6 +128,37 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
             row[kind] = stats
         rows.append(row)
     return {"workload": wl.name, "tensors": len(flats), "bytes": nbytes, "rows": rows}
+
+
+def sweep_pages(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> dict[str, Any]:
+    """In-place Allreduces of 1 MiB over the workload's tensors of >= DIRECT_BYTES, by where their memory lies.
+
+    ``tensors``: the separately allocated arrays themselves (numpy asks for
+    huge pages only from 4 MiB); ``huge pages``: the same bytes in one buffer
+    allocated as the reducer's; ``small pages``: in one buffer that asks for
+    ordinary pages (``MADV_NOHUGEPAGE``). The same calls, the same bytes.
+    """
+    size = comm.Get_size()
+    value, total = fill_value(comm), expected_sum(comm)
+    flats = [g.reshape(-1) for g in wl.arrays() if g.nbytes >= reducer_module.DIRECT_BYTES and g.dtype == np.float32]
+    count = sum(f.shape[0] for f in flats)
+    huge = backend.empty(count, np.dtype(np.float32), "cpu")
+    memory = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        memory.madvise(mmap.MADV_NOHUGEPAGE)
+    small = np.frombuffer(memory, np.float32)
+    step = MIB // 4
+    layouts = {"tensors": flats, "huge pages": [huge], "small pages": [small]}
+    cases = [Case(name, filler(arrays, value), lambda a=arrays: [chunked_allreduce(comm, x, step) for x in a],
+                  lambda a=arrays: all_close(a, total)) for name, arrays in layouts.items()]
+    times = time_cases(comm, cases, reps, warmup)
+    rows = []
+    for name in layouts:
+        stats = summary(times[name], count * 4, size)
+        del stats["times_ms"]
+        rows.append({"memory": name, **stats})
+    return {"workload": wl.name, "tensors": len(flats), "bytes": count * 4, "transparent_huge_pages": huge_pages(),
+            "rows": rows}
 
 
 def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 64) -> dict[str, Any]:
@@ -250,6 +285,14 @@ def format_sweeps(sweeps: dict[str, Any]) -> str:
         for row in res["rows"]:
             lines.append(f"  {size_label(row['tensor_bytes']):<10}{row['packed_ms']:>11.3f}{row['alone_ms']:>10.3f}"
                          f"{row['alone_minus_packed_ms']:>+14.3f}")
+    if "pages" in sweeps:
+        res = sweeps["pages"]
+        lines.append(f"memory pages: 1 MiB Allreduces over {res['workload']}'s {res['tensors']} tensors "
+                     f">= DIRECT_BYTES ({res['bytes'] / 1e6:.1f} MB; transparent huge pages: "
+                     f"{res['transparent_huge_pages']}):")
+        lines.append(f"  {'memory':<14}{'median ms':>10}{'busbw GB/s':>12}")
+        for row in res["rows"]:
+            lines.append(f"  {row['memory']:<14}{row['median_ms']:>10.2f}{row['busbw_GBps']:>12.3f}")
     return "\n".join(lines)
 
 
@@ -271,4 +314,6 @@ def run_sweeps(comm: MPI.Intracomm, chosen: list[str], many: Workload, reps: int
         sweeps["chunk_bytes"] = sweep_chunks(comm, resnet50(), reps, warmup)
     if "direct" in chosen:
         sweeps["direct_bytes"] = sweep_direct(comm, reps, warmup)
+    if "pages" in chosen:
+        sweeps["pages"] = sweep_pages(comm, resnet50(), reps, warmup)
     return sweeps
