@@ -85,6 +85,10 @@ def test_gather_declines_what_it_cannot_address(local):
         assert not g.unpack(buf, other)
         np.testing.assert_array_equal(buf, before)  # nothing was copied
     assert g.pack(members, buf)  # and it recovers
+    others = [np.zeros_like(m) for m in members]  # an unpack into other arrays than the pack's
+    assert g.unpack(buf, others)
+    np.testing.assert_array_equal(np.concatenate(others), buf)
+    assert g.pack(members, buf)
     size = members[3].size
     del members[3]  # a member that dies is not mistaken for a new one at its address
     members.insert(3, np.full(size, 5.0))
