@@ -75,9 +75,9 @@ class Call:
         """No rank contributes (every rank has joined): nothing more is sent."""
         return self.info is not None and self.info.contributors == 0
 
-    def members(self, f: FusionBuffer) -> list[Any]:
+    def members(self, f: FusionBuffer) -> tuple[Any, ...]:
         """Bucket ``f``'s gradients, in bucket order."""
-        return [self.grads[i] for i in f.bucket.indices]
+        return f.members_of(self.grads)
 
     def dense(self, f: FusionBuffer) -> bool:
         """Whether no member of bucket ``f`` is row-sparse in this call."""

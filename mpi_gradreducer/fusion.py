@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ class FusionBuffer:
         self._shapes = tuple(shapes)
         self._host = backend.is_host(bucket.device)
         self._gather = gather if self.native and self._host and len(shapes) >= GATHER_MEMBERS else None
+        self._take = operator.itemgetter(*bucket.indices)
         self.buffer: Any = None
         self.views: list[Any] = []
 
@@ -52,6 +54,11 @@ class FusionBuffer:
                 self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
             ]
         return self.buffer
+
+    def members_of(self, grads: Sequence[Any]) -> tuple[Any, ...]:
+        """The bucket's entries of ``grads`` (one per parameter), in bucket order."""
+        taken = self._take(grads)
+        return taken if len(self.bucket.indices) > 1 else (taken,)
 
     def in_place(self, members: Sequence[Any]) -> Any | None:
         """A 1-D view over all members where they lie, or None when they must be packed.
