@@ -81,11 +81,11 @@ class Local(NamedTuple):
         kind = int(self.asynchronous) + 2 * int(self.sharded)
         if self.contributing and self.error is None:
             d = _digests((self.call, kind, *self.sparse))
-            digests = [d[0], d[1], d[2], d[0] * d[0], d[1] * d[1], d[2] * d[2]]
+            tail = [d[0], d[1], d[2], d[0] * d[0], d[1] * d[1], d[2] * d[2]]  # the digests, then their squares
         else:
-            digests = [0] * (2 * _DIGESTS)
+            tail = [0] * (2 * _DIGESTS)
         return [int(self.error is not None), int(self.contributing), int(bool(self.absent)), int(self.views),
-                int(self.asynchronous), int(self.sharded), *digests]
+                int(self.asynchronous), int(self.sharded), *tail]
 
     def write(self, slots: np.ndarray) -> None:
         """Store the header in the first :data:`SLOTS` real values of ``slots``."""

@@ -62,9 +62,9 @@ class Context:
         self._message: Any = None  # the carrier's first message: header, then its head
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
-        self._packs_behind_header = carried and first.count <= self.head_count()
-        if self._packs_behind_header:  # a small first bucket is packed straight behind the header: no copies
-            plan.buffers[0].allocate(self._first_message()[control.lead(first.wire_dtype):])
+        if carried and first.count <= self.head_count():  # a small first bucket is packed behind the header
+            self._first_message()
+            plan.buffers[0].allocate(self._body)  # (until allocate_grads gives it another buffer)
 
     def _first_message(self) -> Any:
         """The buffer of the first message (allocated once), its header slots and its body."""
@@ -93,7 +93,7 @@ class Context:
         slots = self._slots
         call.local.write(slots)
         body = self._body
-        same = packed and self.plan.buffers[0].buffer.base is msg  # the carrier's buffer is the body itself
+        same = packed and self.plan.buffers[0].buffer is body  # the carrier's buffer is the body itself
         if head is None:
             body[...] = 0
         elif not same:

@@ -144,7 +144,7 @@ def _plain(grads: Any, plan: FusionPlan) -> Checked | None:
 def _plain_aliasing_error(grads: list[np.ndarray], plan: FusionPlan) -> Exception | None:
     """:func:`_aliasing_error` for :func:`_plain` arrays, with its common case in C-level loops."""
     if all(map(operator.is_, map(_base, grads), repeat(None))) and len(set(map(id, grads))) == len(grads):
-        return None  # distinct arrays that own their memory (not the fusion buffers, which have no views passed)
+        return None  # distinct arrays that own their memory (no fusion buffer among them: none was handed out)
     return _aliasing_error(grads, plan.bucketed, plan.own_views, plan.buffer_owners())
 
 

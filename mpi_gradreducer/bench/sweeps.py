@@ -11,6 +11,7 @@ Allreduces of 4 KiB to 64 MiB.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import statistics
 from typing import Any
@@ -145,7 +146,8 @@ def sweep_pages(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> di
     huge = backend.empty(count, np.dtype(np.float32), "cpu")
     memory = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        memory.madvise(mmap.MADV_NOHUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel without huge pages: ordinary pages anyway
+            memory.madvise(mmap.MADV_NOHUGEPAGE)
     small = np.frombuffer(memory, np.float32)
     step = MIB // 4
     layouts = {"tensors": flats, "huge pages": [huge], "small pages": [small]}
