@@ -21,6 +21,7 @@ __all__ = [
     "KERNEL_DTYPES",
     "KERNEL_OPTIONS",
     "DeviceOps",
+    "HUGE_FROM",
     "HUGE_PAGE",
     "HostOps",
     "batched_copy",
@@ -77,17 +78,20 @@ def flat_view(a: Any) -> Any:
     return a.reshape(-1)
 
 
+#: The size of a huge page (x86-64, arm64 with 4 KiB base pages).
+HUGE_PAGE = 2 << 20
 #: Host buffers of at least this many bytes are mapped on huge-page boundaries with
 #: ``madvise(MADV_HUGEPAGE)``: MPICH moves a buffer of 1 to 4 MiB 1.4 to 1.6 times
 #: faster over huge pages (docs/performance.rst), and numpy asks for them only from 4 MiB.
-HUGE_PAGE = 2 << 20
+#: (A buffer of 1 MiB then takes a whole huge page: at most twice its size.)
+HUGE_FROM = 1 << 20
 
 
 def empty(count: int, dtype: np.dtype, device: str) -> Any:
     """A new 1-D buffer of ``count`` elements on ``device`` (host buffers from 1 MiB on huge pages)."""
     if is_host(device):
         nbytes = count * np.dtype(dtype).itemsize
-        return _huge_empty(count, dtype, nbytes) if nbytes >= HUGE_PAGE // 2 else np.empty(count, dtype=dtype)
+        return _huge_empty(count, dtype, nbytes) if nbytes >= HUGE_FROM else np.empty(count, dtype=dtype)
     import cupy
 
     with cupy.cuda.Device(_device_id(device)):

@@ -72,7 +72,8 @@ def scaled_copy(src: Any, dst: Any, scale: float = 1.0, compute: Any = None) -> 
     if dst.shape != src.shape:
         dst = dst.reshape(src.shape)
     xp = np if isinstance(dst, np.ndarray) else sys.modules["cupy"]  # a cupy array: cupy is imported
-    same = src.dtype == dst.dtype and (compute is None or compute == src.dtype)
+    # in their one dtype: when no other is asked for, and always for complex values (component-wise)
+    same = src.dtype == dst.dtype and (compute is None or compute == src.dtype or src.dtype.kind == "c")
     if same and -1.0 <= scale <= 1.0:  # nothing can overflow: no error state to set
         if scale != 1.0:
             _multiply(xp, src, scale, dst)

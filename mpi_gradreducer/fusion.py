@@ -41,6 +41,7 @@ class FusionBuffer:
         self._host = backend.is_host(bucket.device)
         self._gather = gather if self.native and self._host and len(shapes) >= GATHER_MEMBERS else None
         self._take = operator.itemgetter(*bucket.indices)
+        self._gathered = False  # the last pack went through the gather
         self.buffer: Any = None
         self.views: list[Any] = []
 
@@ -84,7 +85,8 @@ class FusionBuffer:
         if not self._host:
             return self._device_copy(members, scale, False, skip)
         if self.native and scale == 1.0 and not skip:
-            if self._gather is not None and self._gather.pack(members, self.buffer):
+            self._gathered = self._gather is not None and self._gather.pack(members, self.buffer)
+            if self._gathered:
                 return 0
             if len(members) < GATHER_MEMBERS:  # a few numpy copies cost less than one concatenate
                 for v, g in zip(self.views, members):
@@ -99,8 +101,10 @@ class FusionBuffer:
                     scaled_copy(g, v, scale, self._compute_dtype)
         return 0
 
-    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> int:
+    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = (), packed: bool = False) -> int:
         """Copy (and cast, and scale) the reduced buffer back into the members.
+
+        ``packed``: ``members`` are those of the last :meth:`pack`, in the same call.
 
         Returns:
             The number of device kernel launches made (0 on the host).
@@ -108,7 +112,7 @@ class FusionBuffer:
         if not self._host:
             return self._device_copy(members, scale, True, skip)
         if self.native and scale == 1.0 and not skip:
-            if self._gather is not None and self._gather.unpack(self.buffer, members):
+            if self._gather is not None and self._gather.unpack(self.buffer, members, packed and self._gathered):
                 return 0
             for v, g in zip(self.views, members):  # the common case: one C call per member, nothing else
                 g[...] = v
@@ -153,6 +157,8 @@ def join_runs(a: Any, b: Any) -> Any | None:
     """
     base = a.base
     if not isinstance(base, np.ndarray) or b.base is not base or b.dtype != a.dtype or not base.flags.c_contiguous:
+        return None
+    if not (a.flags.c_contiguous and b.flags.c_contiguous):
         return None
     start = a.__array_interface__["data"][0]
     if b.__array_interface__["data"][0] != start + a.nbytes:

@@ -173,7 +173,7 @@ class PackedPath:
         self.sum(k, f, call)
         t2 = time.perf_counter()
         if not call.void:
-            f.unpack(members, post, skip)
+            f.unpack(members, post, skip, packed=True)
         self.ctx.record(call, (k,), t0, t1, t2, time.perf_counter())
 
     def scales(self, call: Call) -> tuple[float, float]:

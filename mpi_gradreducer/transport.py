@@ -104,22 +104,20 @@ class Gather:
 
     An ``hindexed`` datatype over the members' absolute addresses is built
     when the members change (they are recognised by identity, through weak
-    references: the caller's arrays are not kept alive beyond the call that
-    packs them) and moved by
+    references: the caller's arrays are not kept alive) and moved by
     ``Sendrecv`` on a private duplicate of ``COMM_SELF``. For 1000 arrays of
     4 KiB MPICH takes 0.17 ms each way where ``np.copyto`` per member takes
     0.73 ms and ``np.concatenate`` 0.36 ms (one process; docs/performance.rst).
 
     Args:
         local: a duplicate of ``COMM_SELF`` that only gathers use.
-        tag: the bucket's tag on ``local`` (unique among the gathers sharing it).
+        tag: the bucket's tag on ``local`` (taken modulo 32768, the least upper bound MPI guarantees).
     """
 
     def __init__(self, local: MPI.Intracomm, tag: int) -> None:
-        self._local, self._tag = local, tag
+        self._local, self._tag = local, tag % 32768
         self._refs: list[weakref.ref[Any]] = []
         self._type: MPI.Datatype | None = None
-        self._packed: Sequence[Any] | None = None  # the members just packed (held until their unpack)
 
     def pack(self, members: Sequence[Any], buffer: np.ndarray) -> bool:
         """Copy ``members`` (in order, back to back) into ``buffer``; False (nothing done) when they cannot be."""
@@ -127,13 +125,15 @@ class Gather:
         if dt is None:
             return False
         self._local.Sendrecv([MPI.BOTTOM, 1, dt], 0, self._tag, [buffer, MPI.BYTE], 0, self._tag)
-        self._packed = members  # the unpack of the same call need not look at them again
         return True
 
-    def unpack(self, buffer: np.ndarray, members: Sequence[Any]) -> bool:
-        """Copy ``buffer`` back into ``members``; False (nothing done) when they cannot be."""
-        dt = self._type if members is self._packed else self._datatype(members, buffer)
-        self._packed = None
+    def unpack(self, buffer: np.ndarray, members: Sequence[Any], just_packed: bool = False) -> bool:
+        """Copy ``buffer`` back into ``members``; False (nothing done) when they cannot be.
+
+        ``just_packed``: the caller vouches that ``members`` are what the last
+        successful :meth:`pack` copied, in the same call, so they are not looked at again.
+        """
+        dt = self._type if just_packed else self._datatype(members, buffer)
         if dt is None:
             return False
         self._local.Sendrecv([buffer, MPI.BYTE], 0, self._tag, [MPI.BOTTOM, 1, dt], 0, self._tag)
@@ -143,7 +143,7 @@ class Gather:
         """Release the datatype (it is rebuilt when needed)."""
         if self._type is not None:
             self._type.Free()
-        self._type, self._refs, self._packed = None, [], None
+        self._type, self._refs = None, []
 
     def _datatype(self, members: Sequence[Any], buffer: np.ndarray) -> MPI.Datatype | None:
         """The datatype over ``members``, or None unless they are C-contiguous numpy arrays filling ``buffer``.

@@ -58,12 +58,12 @@ def test_gather_copies_members_both_ways_and_rebuilds_when_they_change(local, dt
     for _ in range(3):  # new arrays each round: the datatype is rebuilt
         members = _members(rng, 50, dtype)
         buf = np.empty(sum(m.size for m in members), dtype)
-        for _ in range(2):  # the same arrays again: the datatype is reused
+        for just_packed in (False, True):  # the same arrays again: the datatype is reused
             assert g.pack(members, buf)
             np.testing.assert_array_equal(buf, np.concatenate(members))
             expected = rng.standard_normal(buf.shape[0]).astype(dtype)
             buf[...] = expected
-            assert g.unpack(buf, members)
+            assert g.unpack(buf, members, just_packed)
             np.testing.assert_array_equal(np.concatenate(members), expected)
     g.free()
     g.free()  # idempotent
@@ -112,14 +112,26 @@ def _vm_flags(a: np.ndarray) -> list[str]:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "complex128", "uint16"])
-@pytest.mark.parametrize("nbytes", [40, backend.HUGE_PAGE // 2, 3 * backend.HUGE_PAGE + 8])
+@pytest.mark.parametrize("nbytes", [40, backend.HUGE_FROM, 3 * backend.HUGE_PAGE + 8])
 def test_host_buffers_from_1_mib_are_advised_huge_pages(dtype, nbytes):
     count = max(1, nbytes // np.dtype(dtype).itemsize)
     a = backend.empty(count, np.dtype(dtype), "cpu")
     assert a.shape == (count,) and a.dtype == dtype and a.flags.writeable and a.flags.c_contiguous
     a[...] = 3
     assert (a == 3).all()
-    if a.nbytes >= backend.HUGE_PAGE // 2 and hasattr(mmap, "MADV_HUGEPAGE"):
+    if a.nbytes >= backend.HUGE_FROM and hasattr(mmap, "MADV_HUGEPAGE"):
         assert a.ctypes.data % backend.HUGE_PAGE == 0
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):  # a kernel with huge pages
             assert "hg" in _vm_flags(a)  # madvise(MADV_HUGEPAGE) took
+
+
+@pytest.mark.parametrize("compute", [None, np.complex64, np.complex128])
+def test_scaled_copy_scales_complex_values_component_wise(compute):
+    from mpi_gradreducer.dtypes import scaled_copy
+
+    src = np.array([np.inf + 0j, 1 + 1j * np.inf, 2 - 4j], np.complex64)
+    for scale in (0.5, 4.0):  # without and with the overflow guard
+        dst = np.empty_like(src)
+        scaled_copy(src, dst, scale, compute)
+        np.testing.assert_array_equal(dst.real, src.real * np.float32(scale))
+        np.testing.assert_array_equal(dst.imag, src.imag * np.float32(scale))

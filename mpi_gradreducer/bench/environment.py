@@ -31,7 +31,7 @@ def constants() -> dict[str, int]:
             "DIRECT_BYTES": reducer_module.DIRECT_BYTES,
             "CHUNK_BYTES": transport.CHUNK_BYTES,
             "GATHER_MEMBERS": transport.GATHER_MEMBERS,
-            "HUGE_PAGE": backend.HUGE_PAGE}
+            "HUGE_FROM": backend.HUGE_FROM}
 
 
 def loadavg() -> list[float] | None:

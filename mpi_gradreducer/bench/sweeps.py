@@ -144,11 +144,11 @@ def sweep_pages(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> di
     flats = [g.reshape(-1) for g in wl.arrays() if g.nbytes >= reducer_module.DIRECT_BYTES and g.dtype == np.float32]
     count = sum(f.shape[0] for f in flats)
     huge = backend.empty(count, np.dtype(np.float32), "cpu")
-    memory = mmap.mmap(-1, count * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    memory = mmap.mmap(-1, max(4, count * 4), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_NOHUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without huge pages: ordinary pages anyway
             memory.madvise(mmap.MADV_NOHUGEPAGE)
-    small = np.frombuffer(memory, np.float32)
+    small = np.frombuffer(memory, np.float32, count)
     step = MIB // 4
     layouts = {"tensors": flats, "huge pages": [huge], "small pages": [small]}
     cases = [Case(name, filler(arrays, value), lambda a=arrays: [chunked_allreduce(comm, x, step) for x in a],
