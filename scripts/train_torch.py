@@ -37,6 +37,7 @@ import torch
 from mpi4py import MPI
 
 from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, interop
+from train_digits import load_data as load_digits  # scripts/, next to this file
 
 #: Required agreement of the reducer's and DDP's parameters (float64).
 DDP_TOLERANCE = 1e-9
@@ -57,16 +58,8 @@ class Settings:
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits, split 75/25 with a fixed seed and standardised by the training set."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=seed, stratify=y)
-    scaler = StandardScaler().fit(x_train)
-    return (torch.from_numpy(scaler.transform(x_train)), torch.from_numpy(y_train.astype(np.int64)),
-            torch.from_numpy(scaler.transform(x_test)), torch.from_numpy(y_test.astype(np.int64)))
+    """The numpy demo's digits (``train_digits.load_data``: split 75/25, standardised), as torch tensors."""
+    return tuple(torch.from_numpy(a) for a in load_digits(seed))
 
 
 def make_model(settings: Settings, comm: MPI.Comm) -> torch.nn.Module:

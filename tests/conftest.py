@@ -8,7 +8,6 @@ instead the failing rank prints its report to stderr and aborts the job.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -62,6 +61,27 @@ def assert_same_on_all_ranks(comm: MPI.Comm, arrays) -> None:
     same = np.array([int(np.array_equal(root, blob))], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, same, op=MPI.MIN)
     assert same[0] == 1, "results differ between ranks"
+
+
+def everywhere(flag: bool) -> bool:
+    """True only when ``flag`` holds on every rank (a decision, such as a skip, that all ranks share); collective."""
+    value = np.array([int(flag)], dtype=np.int64)
+    WORLD.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
+    return bool(value[0])
+
+
+def lockstep_settings(max_examples: int):
+    """Hypothesis settings under which every rank draws the same examples in the same order.
+
+    Derandomized, no example database, no deadline or health check that one
+    rank could trip alone, and no report of several bugs (each would need
+    more examples on some ranks than on others).
+    """
+    from hypothesis import HealthCheck, Phase, settings
+
+    return settings(max_examples=max_examples, derandomize=True, database=None, deadline=None,
+                    suppress_health_check=list(HealthCheck), phases=(Phase.explicit, Phase.generate, Phase.shrink),
+                    report_multiple_bugs=False, print_blob=False)
 
 
 #: Bytes of a failure report shared by :func:`agree_on_failures`.

@@ -32,11 +32,11 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from conftest import WORLD, agree_on_failures
+from conftest import WORLD, agree_on_failures, everywhere, lockstep_settings
 from mpi_gradreducer import DistributedGradReducer, RowSparse
 
 pytestmark = pytest.mark.mpi
@@ -48,23 +48,8 @@ SHAPES = {"small": (3,), "matrix": (2, 3), "skipped": (4, 2), "sparse": (6, 3), 
 #: ``large-first``: the fused small bucket does, and the large tensor follows.
 LAYOUTS = ("large-last", "large-first")
 
-IN_STEP = settings(
-    max_examples=25,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    phases=(Phase.explicit, Phase.generate, Phase.shrink),
-    report_multiple_bugs=False,
-    print_blob=False,
-)
+IN_STEP = lockstep_settings(25)
 
-
-def _everywhere(flag: bool) -> bool:
-    """True only when ``flag`` holds on every rank (a decision all ranks share)."""
-    value = np.array([int(flag)], dtype=np.int64)
-    WORLD.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
-    return bool(value[0])
 
 
 def _import_torch() -> Any:
@@ -72,7 +57,7 @@ def _import_torch() -> Any:
         import torch
     except ImportError:
         torch = None
-    return torch if _everywhere(torch is not None) else None
+    return torch if everywhere(torch is not None) else None
 
 
 TORCH = _import_torch()
@@ -413,7 +398,7 @@ def _check(case: Case, reducer: DistributedGradReducer, slot: dict[str, int]) ->
         else:
             grads[target] = _element(case.kind, case.role, grads, slot, rng)
             valid = case.role == "skipped" or (case.kind in VALID_DENSE and case.role != "sparse")
-    expect_valid = not _everywhere(not valid)  # what the bad rank knows, on every rank
+    expect_valid = not everywhere(not valid)  # what the bad rank knows, on every rank
     kept = grads[target] if (rank == bad and not case.whole) else None
     before = _snapshot(grads)
     failures: list[str] = []
@@ -484,7 +469,7 @@ def _in_step(case: Case, body: Callable[[], list[str]]) -> None:
     digest = np.frombuffer(hashlib.sha256(repr(case).encode()).digest(), dtype=np.uint8).copy()
     root = digest.copy()
     WORLD.Bcast(root, root=0)
-    if not _everywhere(bool(np.array_equal(root, digest))):
+    if not everywhere(bool(np.array_equal(root, digest))):
         sys.stderr.write(f"\n=== rank {WORLD.Get_rank()}: the ranks drew different examples: {case!r}\n")
         WORLD.Abort(1)
     try:

@@ -16,15 +16,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
+from conftest import WORLD, assert_same_on_all_ranks, everywhere, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer, interop
 
-
-def _everywhere(flag: bool) -> bool:
-    """True only when ``flag`` holds on every rank (a skip decision all ranks share)."""
-    value = np.array([int(flag)], dtype=np.int64)
-    WORLD.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
-    return bool(value[0])
 
 
 def _has_torch() -> bool:
@@ -38,7 +32,7 @@ def _has_torch() -> bool:
 @pytest.fixture(scope="module")
 def torch():
     """torch, when every rank has it; else the test skips on every rank."""
-    if not _everywhere(_has_torch()):
+    if not everywhere(_has_torch()):
         pytest.skip("needs torch on every rank")
     import torch as th
 
@@ -51,7 +45,7 @@ def ml_dtypes():
         import ml_dtypes as md
     except ImportError:
         md = None
-    if not _everywhere(md is not None):
+    if not everywhere(md is not None):
         pytest.skip("needs ml_dtypes on every rank")
     return md
 

@@ -12,9 +12,8 @@ from typing import Any, Callable
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
-from conftest import WORLD, assert_same_on_all_ranks
+from conftest import WORLD, assert_same_on_all_ranks, everywhere
 from mpi_gradreducer import DistributedGradReducer, RowSparse
 
 pytestmark = pytest.mark.mpi
@@ -23,12 +22,6 @@ pytestmark = pytest.mark.mpi
 SHAPES = [(3,), (2, 3), (512, 513), (6, 3), (4,)]
 DTYPES = [np.float32, np.float32, np.float32, np.float32, np.float64]
 
-
-def _everywhere(flag: bool) -> bool:
-    """True only when ``flag`` holds on every rank."""
-    value = np.array([int(flag)], dtype=np.int64)
-    WORLD.Allreduce(MPI.IN_PLACE, value, op=MPI.MIN)
-    return bool(value[0])
 
 
 def _reducer(**kwargs: Any) -> DistributedGradReducer:
@@ -172,7 +165,7 @@ def torch():
         import torch as th
     except ImportError:
         th = None
-    if not _everywhere(th is not None):
+    if not everywhere(th is not None):
         pytest.skip("needs torch on every rank")
     return th
 

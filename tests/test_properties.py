@@ -35,11 +35,11 @@ from typing import Callable, Optional
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, Phase, event, example, given, settings
+from hypothesis import event, example, given
 from hypothesis import strategies as st
 from mpi4py import MPI
 
-from conftest import WORLD, agree_on_failures
+from conftest import WORLD, agree_on_failures, lockstep_settings
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer.dtypes import supported_dtypes
 
@@ -52,16 +52,7 @@ GROUPS = ("world", "dup", "split", "self")
 #: An example that takes longer than this on any rank aborts the job.
 EXAMPLE_SECONDS = 60.0
 
-IN_STEP = settings(
-    max_examples=60,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    phases=(Phase.explicit, Phase.generate, Phase.shrink),
-    report_multiple_bugs=False,
-    print_blob=False,
-)
+IN_STEP = lockstep_settings(60)
 
 
 @dataclass(frozen=True)

@@ -140,8 +140,8 @@ def _add_packed_floor(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods)
 
     def run() -> None:
         local.Sendrecv([MPI.BOTTOM, 1, members], 0, 0, [buf, MPI.BYTE], 0, 0)
-        for start in range(0, buf.shape[0], step):
-            chunk = buf[start : start + step]
+        for first in range(0, buf.shape[0], step):
+            chunk = buf[first : first + step]
             comm.Allreduce(MPI.IN_PLACE, chunk)
             np.multiply(chunk, scale, out=chunk)
         local.Sendrecv([buf, MPI.BYTE], 0, 0, [MPI.BOTTOM, 1, members], 0, 0)
