@@ -37,24 +37,18 @@ import torch
 from mpi4py import MPI
 
 from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, interop
-from train_digits import load_data as load_digits  # scripts/, next to this file
+from train_digits import Settings as DigitsSettings, load_data as load_digits  # scripts/, next to this file
 
 #: Required agreement of the reducer's and DDP's parameters (float64).
 DDP_TOLERANCE = 1e-9
 
 
 @dataclass
-class Settings:
-    """Hyper-parameters; ``batch_size`` is the global batch, shared by the ranks."""
+class Settings(DigitsSettings):
+    """The numpy demo's hyper-parameters, with fewer epochs and a torch dtype."""
 
     epochs: int = 8
-    batch_size: int = 64
-    lr: float = 0.05
-    momentum: float = 0.9
-    hidden: int = 128
-    seed: int = 0
-    overlap: bool = False
-    dtype: torch.dtype = torch.float32
+    dtype: Any = torch.float32
 
 
 def load_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
