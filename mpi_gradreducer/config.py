@@ -11,7 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend, compression as wire, interop, planning, transport
-from .dtypes import supported_dtypes
+from .dtypes import SUPPORTED_NAMES, dtype_code
 from .groups import processor_names
 from .planning import ParamSpec
 
@@ -139,18 +139,15 @@ def param_specs(parameters: Iterable[Any]) -> tuple[ParamSpec, ...]:
         TypeError: a parameter that is not an array, or of an unsupported dtype.
     """
     specs = []
-    supported = supported_dtypes()
     for i, p in enumerate(parameters):
         described = interop.describe(p)  # any array by protocol; torch Parameters that require grad too
         if described is None:
             raise TypeError(f"parameters[{i}]: expected a numpy or cupy array, got {interop.explain(p)}; "
                             "any array with __dlpack__, __array_interface__ or __cuda_array_interface__ will do")
         shape, dtype, device = described
-        if dtype not in supported:
-            raise TypeError(
-                f"parameters[{i}]: dtype {dtype} is not supported; expected one of "
-                + ", ".join(d.name for d in supported)
-            )
+        if dtype_code(dtype) < 0:
+            raise TypeError(f"parameters[{i}]: dtype {dtype} is not supported; expected one of "
+                            + ", ".join(SUPPORTED_NAMES) + " (bfloat16: that of ml_dtypes)")
         specs.append(ParamSpec(tuple(shape), np.dtype(dtype), device))
     return tuple(specs)
 
@@ -325,7 +322,6 @@ def cuda_aware_default() -> tuple[bool | None, str]:
 
 def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, ...]]:
     """What every rank's reducer must have in common: one header row, one row per parameter."""
-    codes = supported_dtypes()
     cap = -1 if options.bucket_bytes is None else options.bucket_bytes
     kind = 0 if options.compression is None else 1 + wire.COMPRESSIONS.index(options.compression)
     predivide = 0.0 if options.predivide is None else options.predivide
@@ -335,7 +331,7 @@ def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, .
     rows = [header]
     for spec, fid, skip in zip(specs, options.ids, options.skip):
         device_kind = 0 if backend.is_host(spec.device) else 1
-        rows.append((codes.index(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))
+        rows.append((dtype_code(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))
     return rows
 
 
@@ -346,9 +342,8 @@ def describe_row(index: int, row: tuple[int, ...]) -> str:
         return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
             f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r}, " \
             "degree given={}, check_finite={}, coalesce={}, timeline={})".format(*row[8:12])
-    codes = supported_dtypes()
     dtype, fid, skip, device_kind, ndim, *shape = row
     return (
-        f"shape {tuple(shape)} {codes[dtype].name} on {'cpu' if device_kind == 0 else 'gpu'} "
+        f"shape {tuple(shape)} {SUPPORTED_NAMES[dtype]} on {'cpu' if device_kind == 0 else 'gpu'} "
         f"(fusion id {fid}{', skipped' if skip else ''})"
     )

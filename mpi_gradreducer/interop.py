@@ -196,25 +196,26 @@ def _host_view(obj: Any, try_array: bool = True) -> np.ndarray | None:
 
 
 def _device_view(obj: Any) -> Any:
-    dlpack, cai = _has(obj, "__dlpack__"), _has(obj, "__cuda_array_interface__")
-    if not (dlpack or cai):
+    """A cupy view of ``obj``'s CUDA memory; cupy is imported only for an object in CUDA memory."""
+    cai, kind = _has(obj, "__cuda_array_interface__"), 0
+    if _has(obj, "__dlpack__"):
+        try:
+            kind = int(obj.__dlpack_device__()[0]) if _has(obj, "__dlpack_device__") else 0
+        except Exception:
+            kind = 0
+    if not (cai or kind in _DL_CUDA):
         return None
     try:
         import cupy
     except ImportError:
         return None
-    if dlpack:
+    if kind in _DL_CUDA:
         try:
-            kind = int(obj.__dlpack_device__()[0]) if _has(obj, "__dlpack_device__") else 0
+            # Zero-copy on the producer's device; cupy passes its current
+            # stream, so the producer orders its pending work before it.
+            return cupy.from_dlpack(obj)
         except Exception:
-            kind = 0
-        if kind in _DL_CUDA:
-            try:
-                # Zero-copy on the producer's device; cupy passes its current
-                # stream, so the producer orders its pending work before it.
-                return cupy.from_dlpack(obj)
-            except Exception:
-                pass
+            pass
     if cai:
         try:
             if obj.__cuda_array_interface__["data"][1]:

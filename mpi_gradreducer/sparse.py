@@ -17,7 +17,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement
-from .dtypes import digest, reduction_dtype, scaled_copy, supported_dtypes
+from .dtypes import SUPPORTED_NAMES, digest, dtype_code, reduction_dtype, scaled_copy
 
 __all__ = ["RowSparse", "allgather_rowsparse", "signature"]
 
@@ -108,11 +108,10 @@ class RowSparse:
             return ValueError(f"indices: expected a 1-D array, got shape {idx.shape}")
         if not isinstance(val, np.ndarray):
             return TypeError(f"values: expected a numpy array, got {type(val).__name__}")
-        supported = supported_dtypes()
-        if val.dtype not in supported:
+        if dtype_code(val.dtype) < 0:
             return TypeError(
                 f"values: dtype {val.dtype} is not supported; expected one of "
-                + ", ".join(d.name for d in supported)
+                + ", ".join(SUPPORTED_NAMES) + " (bfloat16: that of ml_dtypes)"
             )
         expected = (idx.shape[0],) + shape[1:]
         if val.shape != expected:
@@ -164,12 +163,10 @@ def signature(rs: RowSparse) -> tuple[int, ...]:
 
     Returns:
         ``(dtype code, ndim, *dense_shape)``: the code is the dtype's position
-        in :func:`~mpi_gradreducer.dtypes.supported_dtypes` (-1 if absent).
+        in :data:`~mpi_gradreducer.dtypes.SUPPORTED_NAMES` (-1 if absent).
         The index dtype and the number of rows may differ between ranks.
     """
-    supported = supported_dtypes()
-    dtype = getattr(rs.values, "dtype", None)
-    code = supported.index(dtype) if dtype in supported else -1
+    code = dtype_code(getattr(rs.values, "dtype", None))
     shape = rs.dense_shape if isinstance(rs.dense_shape, tuple) else ()
     return (code, len(shape), *(int(d) for d in shape))
 
@@ -271,6 +268,5 @@ def _coalesced(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.
 
 def _describe(index: int, row: tuple[int, ...]) -> str:
     code, ndim, *shape = row
-    supported = supported_dtypes()
-    dtype = supported[code].name if 0 <= code < len(supported) else "an unsupported dtype"
+    dtype = SUPPORTED_NAMES[code] if 0 <= code < len(SUPPORTED_NAMES) else "an unsupported dtype"
     return f"dense_shape {tuple(shape)} of {dtype}"
