@@ -12,6 +12,7 @@ Example::
 
 from .groups import broadcast_parameters, create_group, local_rank, select_device
 from .planning import Bucket
+from .powersgd import PowerSGD
 from .sparse import RowSparse
 from .reducer import DistributedGradReducer, ReducerStats
 from .shard import Piece, Shard
@@ -22,6 +23,7 @@ __all__ = [
     "Bucket",
     "DistributedGradReducer",
     "Piece",
+    "PowerSGD",
     "ReducerStats",
     "RowSparse",
     "Shard",

@@ -14,6 +14,7 @@ from . import agreement, backend, compression as wire, interop, planning, transp
 from .dtypes import SUPPORTED_NAMES, dtype_code
 from .groups import processor_names
 from .planning import ParamSpec
+from .powersgd import PowerSGD
 
 __all__ = [
     "ABORT_ON_EXCEPTION_ENV",
@@ -83,11 +84,12 @@ class Options:
         check_finite: find NaN/Inf on every call.
         cuda_aware: hand device buffers straight to MPI.
         timeline: the trace file rank 0 writes at ``free()``, or None.
-        compression: ``"fp16"``, ``"bf16"`` or None.
+        compression: ``"fp16"``, ``"bf16"`` or None (the 16-bit wire formats).
         predivide: the compression's pre-division factor, or None (its default).
         coalesce: sort and sum the rows of reduced ``RowSparse`` gradients.
         progress: ``"auto"``, ``"thread"`` or ``"deferred"`` (as asked; the
             reducer decides ``"auto"`` collectively).
+        powersgd: the low-rank compression (``compression=PowerSGD(...)``), or None.
     """
 
     mean: bool
@@ -107,6 +109,7 @@ class Options:
     predivide: float | None
     coalesce: bool
     progress: str
+    powersgd: PowerSGD | None = None
 
     def divisor(self, contributors: int) -> int:
         """The divisor of a mean over ``contributors`` ranks."""
@@ -194,6 +197,7 @@ def resolve(
     skip = [False] * len(specs) if skip is None else list(skip)
     if len(skip) != len(specs):
         raise ValueError(f"skip: expected {len(specs)} bools (one per parameter), got {len(skip)}")
+    compression, powersgd = _split_compression(compression)
     _check_compression(specs, size, degree, bool(mean), compression, predivide)
     if not (isinstance(bucket_bytes, str) and bucket_bytes == "auto"):
         bucket_bytes = positive("bucket_bytes", bucket_bytes, integer=True, also=" or 'auto'")
@@ -222,7 +226,7 @@ def resolve(
         check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
         timeline=os.fspath(timeline) if timeline is not None else os.environ.get(TIMELINE_ENV),
         compression=compression, predivide=None if predivide is None else float(predivide),
-        coalesce=bool(coalesce), progress=progress,
+        coalesce=bool(coalesce), progress=progress, powersgd=powersgd,
     )
 
 
@@ -285,6 +289,18 @@ def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
     return "thread" if spare[0] else "deferred"
 
 
+def _split_compression(compression: Any) -> tuple[Any, PowerSGD | None]:
+    """``(wire format name or None, PowerSGD or None)`` from ``compression``; refuses them combined."""
+    if isinstance(compression, PowerSGD):
+        return None, compression
+    if isinstance(compression, (list, tuple, set)) and any(isinstance(c, PowerSGD) for c in compression):
+        raise ValueError(f"compression: PowerSGD cannot be combined with another compression (fp16/bf16), "
+                         f"got {compression!r}; its P and Q travel in the gradients' own dtype")
+    if isinstance(compression, type) and issubclass(compression, PowerSGD):
+        raise TypeError("compression: expected a PowerSGD instance, got the class; write PowerSGD(...)")
+    return compression, None
+
+
 def _check_compression(specs: Sequence[ParamSpec], size: int, degree: int, mean: bool, compression: Any,
                        predivide: Any) -> None:
     """Raise unless ``compression`` and ``predivide`` fit the parameters."""
@@ -297,7 +313,7 @@ def _check_compression(specs: Sequence[ParamSpec], size: int, degree: int, mean:
             raise TypeError("compression: works on host (numpy) gradients only; got device arrays")
         comp.scales(size, degree, mean, predivide)  # checks predivide
     elif predivide is not None:
-        raise ValueError(f"predivide: only applies with compression, got predivide={predivide!r}")
+        raise ValueError(f"predivide: only applies with compression='fp16' or 'bf16', got predivide={predivide!r}")
 
 
 def cuda_aware_default() -> tuple[bool | None, str]:
@@ -325,9 +341,10 @@ def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, .
     cap = -1 if options.bucket_bytes is None else options.bucket_bytes
     kind = 0 if options.compression is None else 1 + wire.COMPRESSIONS.index(options.compression)
     predivide = 0.0 if options.predivide is None else options.predivide
+    powersgd = (1, *options.powersgd.signature()) if options.powersgd is not None else (0,) * 7
     header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
               int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
-              int(options.check_finite), int(options.coalesce), int(options.timeline is not None))
+              int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd)
     rows = [header]
     for spec, fid, skip in zip(specs, options.ids, options.skip):
         device_kind = 0 if backend.is_host(spec.device) else 1
@@ -341,9 +358,19 @@ def describe_row(index: int, row: tuple[int, ...]) -> str:
         names = (None,) + wire.COMPRESSIONS
         return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
             f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r}, " \
-            "degree given={}, check_finite={}, coalesce={}, timeline={})".format(*row[8:12])
+            "degree given={}, check_finite={}, coalesce={}, timeline={}, ".format(*row[8:12]) + \
+            _describe_powersgd(row[12:19]) + ")"
     dtype, fid, skip, device_kind, ndim, *shape = row
     return (
         f"shape {tuple(shape)} {SUPPORTED_NAMES[dtype]} on {'cpu' if device_kind == 0 else 'gpu'} "
         f"(fusion id {fid}{', skipped' if skip else ''})"
     )
+
+
+def _describe_powersgd(values: Sequence[int]) -> str:
+    """The PowerSGD part of the signature's first row, readable."""
+    if not values or not values[0]:
+        return "powersgd=None"
+    rank, start, rate, feedback, warm, seed = values[1:7]
+    return (f"powersgd=PowerSGD(rank={rank}, start_iter={start}, min_compression_rate={rate / 1e6:g}, "
+            f"error_feedback={bool(feedback)}, warm_start={bool(warm)}, seed={seed})")

@@ -286,9 +286,13 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
             return comp.wire_dtype
         return np.dtype(dtype)  # host halves travel as 16 bits, summed slice by slice in float32
 
+    exclude = list(options.skip)
+    if options.powersgd is not None:  # its gradients are reduced by the PowerSGD path (mpi_gradreducer.lowrank)
+        for i in options.powersgd.compressed(specs, options.skip):
+            exclude[i] = True
     buckets = make_plan(
         specs, options.ids, bucket_bytes, DIRECT_BYTES, reverse=True,
-        first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=options.skip, wire_dtype=wire_dtype,
+        first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=exclude, wire_dtype=wire_dtype,
     )
     return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip], local)
 

@@ -14,6 +14,8 @@ from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from .call import Call, close, open_call, settle
 from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
+from .lowrank import LowRankPath
+from .powersgd import PowerSGD
 from .steps import Overlap, ReductionStep
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from .validation import Checked, check_grads
@@ -80,7 +82,10 @@ class DistributedGradReducer:
             or ``chrome://tracing``). Default: ``MPI_GRADREDUCER_TIMELINE``.
         compression: ``"fp16"`` or ``"bf16"``: float32/float64 gradients
             travel as 16-bit floats, each rank summing one slice in float32
-            (``"bf16"`` needs ``ml_dtypes``); None (default): no compression.
+            (``"bf16"`` needs ``ml_dtypes``); a :class:`~.powersgd.PowerSGD`:
+            large gradient matrices travel as low-rank products, with error
+            feedback (:meth:`state_dict` holds its state; ``reduce_scatter``
+            is refused); None (default): no compression.
         predivide: with compression, divide by this factor before the sum and
             multiply after (default: the number of ranks for fp16, 1 for bf16).
         coalesce: sort the rows of reduced ``RowSparse`` gradients and sum
@@ -108,7 +113,7 @@ class DistributedGradReducer:
         check_finite: bool = False,
         cuda_aware: bool | None = None,
         timeline: str | None = None,
-        compression: str | None = None,
+        compression: str | PowerSGD | None = None,
         predivide: float | None = None,
         coalesce: bool = False,
         progress: str = "auto",
@@ -135,6 +140,9 @@ class DistributedGradReducer:
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
         self._tuner: BucketTuner | None = None
+        #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
+        self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument) \
+            if options.powersgd is not None else None
         self._local = MPI.COMM_SELF.Dup()  # the buckets' local copies (transport.Gather)
         if options.bucket_bytes is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
@@ -157,6 +165,8 @@ class DistributedGradReducer:
         self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
         self._paths = paths.assign(self._ctx)
         self._sparse = paths.SparsePath(self._ctx)
+        #: What runs after the buckets: the RowSparse gradients, then PowerSGD's.
+        self._tail: Any = self._sparse if self._lowrank is None else _Tail(self._sparse, self._lowrank)
 
     # -- public API -------------------------------------------------------------------
 
@@ -225,7 +235,7 @@ class DistributedGradReducer:
             The step in flight.
         """
         call = self._start(grads, asynchronous=True)
-        self._active = self._overlap.begin(call, self._plan, self._paths, self._sparse, self._finish)
+        self._active = self._overlap.begin(call, self._plan, self._paths, self._tail, self._finish)
         return self._active
 
     def reduce_async(self, grads: Sequence[Any]) -> ReductionStep:
@@ -245,13 +255,47 @@ class DistributedGradReducer:
         For ZeRO-style sharded optimizers (:mod:`mpi_gradreducer.shard`): ``shard.allgather(params)`` then
         shares the updated pieces; ``grads`` are left as they are. Raises ``ValueError``/``TypeError`` on
         every rank for bad gradients on any rank (arrays only, validated as by the blocking call), for a
-        rank in ``join()``, or for a plain call on another rank.
+        rank in ``join()``, for a plain call on another rank, or with ``compression=PowerSGD(...)``.
         """
         call = self._start(grads, sharded=True)
         self._sharder = shard.Sharder.of(self._sharder, self._comm, self._plan, self._instrument)
         result = self._sharder.reduce_scatter(call)
         self._finish(call)
         return result
+
+    def state_dict(self) -> dict[str, Any]:
+        """PowerSGD's state on this rank: host numpy arrays and ints only, picklable (local).
+
+        Returns:
+            ``{"iteration": int, "q": {i: ndarray (m, rank)}, "error": {i: ndarray shaped like
+            parameter i}}``: the number of calls made, the Q that the next call uses for each
+            compressed parameter ``i`` (the same on every rank), and this rank's error.
+
+        Raises:
+            ValueError: the reducer has no PowerSGD compression.
+        """
+        return self._powersgd("state_dict").state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (collective: every rank its own state).
+
+        The calls that follow give the same bits as those that followed the
+        ``state_dict()`` call. Checked on every rank before anything changes.
+
+        Raises:
+            ValueError, TypeError: on every rank, when some rank's ``state`` does not fit this
+                reducer's compressed parameters, or the ranks' iterations or Q differ.
+            RuntimeError: (this rank alone) a reduction is in flight.
+        """
+        if self._active is not None and not self._active.closed:
+            raise RuntimeError("load_state_dict: a reduction started with begin() is still in flight; wait() first")
+        self._powersgd("load_state_dict").load_state_dict(state)
+
+    def _powersgd(self, method: str) -> LowRankPath:
+        if self._lowrank is None:
+            raise ValueError(f"{method}: this reducer has no state to save: it was built without "
+                             "compression=PowerSGD(...)")
+        return self._lowrank
 
     def free(self) -> None:
         """Write the timeline, release the communicators and threads (collective). Idempotent."""
@@ -311,6 +355,10 @@ class DistributedGradReducer:
             aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
             checked = unreadable or check_grads(grads, self._plan, aliasing)
             checked = shard.arrays_only(checked) if sharded else checked
+            if sharded and self._lowrank is not None:  # refused on every rank, through the agreement
+                checked = Checked(ValueError(
+                    "reduce_scatter: not supported with compression=PowerSGD(...): a rank would own pieces of "
+                    "a low-rank product; use the plain call (reducer(grads)), or a reducer without PowerSGD"))
         self._calls += 1  # on every rank, whether or not the call then raises
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous, sharded=sharded)
@@ -332,7 +380,7 @@ class DistributedGradReducer:
         tuner = self._tuner if tune else None
         t0 = time.perf_counter()
         paths.run(self._paths, range(len(self._paths)), call)
-        self._sparse.reduce(call)
+        self._tail.reduce(call)
         if tuner is not None:
             tuner.record(time.perf_counter() - t0)
             if tuner.finished:
@@ -347,3 +395,15 @@ class DistributedGradReducer:
         self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1
 
+
+
+class _Tail:
+    """The steps after the buckets, in order: the RowSparse gradients, then PowerSGD's."""
+
+    def __init__(self, *steps: Any) -> None:
+        self.steps = steps
+
+    def reduce(self, call: Any) -> None:
+        """Run every step on ``call``."""
+        for step in self.steps:
+            step.reduce(call)

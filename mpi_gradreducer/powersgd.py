@@ -1,0 +1,134 @@
+"""PowerSGD's options and arithmetic: which gradients it compresses, the draws of Q, orthonormalisation.
+
+PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019) sends a low-rank
+approximation of each large gradient matrix instead of the matrix: for a
+gradient ``G`` seen as an ``n x m`` matrix, the ranks sum ``P = M Q``
+(``n x rank``) and ``Q = M^T P`` (``m x rank``) instead of ``M`` itself.
+This module is pure (no MPI): the options object that the caller passes as
+``compression=``, the rule that picks the compressed gradients, the seeded
+draws of ``Q`` and the Gram-Schmidt step. :mod:`mpi_gradreducer.lowrank`
+runs them within a reducer's call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .planning import ParamSpec
+
+__all__ = ["PowerSGD", "draw_q", "matrix_shape", "orthonormalise"]
+
+_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass(frozen=True)
+class PowerSGD:
+    """Low-rank gradient compression with error feedback: ``compression=PowerSGD(...)``.
+
+    A gradient of float32 or float64 with ``ndim >= 2`` and shape
+    ``(n, *rest)`` is the matrix ``M`` of shape ``n x m``, ``m =
+    prod(rest)``; it is compressed when ``n*m >= min_compression_rate * rank
+    * (n + m)``. Everything else is reduced as without compression. Calls
+    numbered below ``start_iter`` (from 0) reduce every gradient uncompressed.
+
+    Args:
+        rank: the rank of the approximation (columns of ``P`` and ``Q``).
+        start_iter: the first call that compresses (calls before it reduce
+            every gradient uncompressed).
+        min_compression_rate: compress a matrix only when its elements are at
+            least this many times those of ``P`` and ``Q`` together.
+        error_feedback: keep what the approximation missed on this rank and
+            add it to the next call's gradient.
+        warm_start: start each call from the previous call's ``Q`` (else
+            every call draws a fresh one).
+        seed: the seed of the standard normal draws of ``Q`` (the same on
+            every rank).
+
+    Raises:
+        TypeError: an argument of the wrong type.
+        ValueError: an argument out of range.
+    """
+
+    rank: int = 1
+    start_iter: int = 1000
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, least in (("rank", 1), ("start_iter", 0), ("seed", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PowerSGD: {name}: expected an int, got {type(value).__name__} {value!r}")
+            if value < least:
+                raise ValueError(f"PowerSGD: {name}: expected an int >= {least}, got {value}")
+            object.__setattr__(self, name, int(value))
+        rate = self.min_compression_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
+            raise TypeError(f"PowerSGD: min_compression_rate: expected a number, got {type(rate).__name__} {rate!r}")
+        if not 0 < rate < math.inf:
+            raise ValueError(f"PowerSGD: min_compression_rate: expected a positive finite number, got {rate!r}")
+        object.__setattr__(self, "min_compression_rate", float(rate))
+        for name in ("error_feedback", "warm_start"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                raise TypeError(f"PowerSGD: {name}: expected a bool, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, bool(value))
+
+    def compresses(self, spec: ParamSpec) -> bool:
+        """Whether gradients shaped like ``spec`` are compressed (the same rule on every rank)."""
+        if np.dtype(spec.dtype) not in _FLOATS or len(spec.shape) < 2 or spec.size == 0:
+            return False
+        n, m = matrix_shape(spec.shape)
+        return n * m >= self.min_compression_rate * self.rank * (n + m)
+
+    def compressed(self, specs: Sequence[ParamSpec], skip: Sequence[bool] = ()) -> tuple[int, ...]:
+        """The positions of the parameters whose gradients are compressed (never skipped ones)."""
+        return tuple(i for i, s in enumerate(specs) if not (skip and skip[i]) and self.compresses(s))
+
+    def signature(self) -> tuple[int, ...]:
+        """The options as integers, for the cross-rank check of the reducer's construction."""
+        return (self.rank, self.start_iter, int(self.min_compression_rate * 1e6), int(self.error_feedback),
+                int(self.warm_start), self.seed)
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """``(n, m)``: the matrix of a gradient of ``shape`` ``(n, *rest)``, ``m = prod(rest)``."""
+    return int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))
+
+
+def draw_q(seed: int, index: int, call: int, m: int, rank: int) -> np.ndarray:
+    """The standard normal ``m x rank`` draw for parameter ``index`` first used at call ``call`` (float64).
+
+    A function of its arguments only: the same on every rank, in every run,
+    whatever happened before (numpy's ``default_rng`` seeded with
+    ``[seed, index, call]``).
+    """
+    return np.random.default_rng([seed, index, call]).standard_normal((m, rank))
+
+
+def orthonormalise(p: Any) -> None:
+    """Make the columns of ``p`` (``n x rank``) orthonormal in place, by modified Gram-Schmidt.
+
+    A column that is zero (or becomes zero) stays zero, never NaN. Each
+    column is divided by its largest magnitude before its norm is taken, so
+    that the norm neither overflows nor underflows. Works for numpy and cupy.
+    """
+    for j in range(p.shape[1]):
+        col = p[:, j]
+        for k in range(j):
+            other = p[:, k]
+            col -= (other @ col) * other
+        biggest = float(abs(col).max()) if col.shape[0] else 0.0
+        if biggest == 0.0:
+            col[...] = 0
+            continue
+        if math.isfinite(biggest):
+            col /= biggest
+        col /= float((col @ col) ** 0.5)
