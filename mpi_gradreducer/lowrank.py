@@ -15,8 +15,9 @@ reduces them after the buckets, on every rank, in one go per call:
    exactly what the approximation missed.
 
 Calls numbered below ``start_iter`` sum these gradients uncompressed, packed
-into one buffer per device and dtype. P and Q are computed in the gradients'
-dtype (float32 or float64). A rank that has joined contributes zeros to both
+into one buffer per device and dtype. M, P, Q and the error are float64 for
+float64 gradients, else float32 (float16 and bfloat16 gradients are widened
+into a buffer of their own, and the result rounded back). A rank that has joined contributes zeros to both
 sums and keeps its error; every rank takes the summed ``Q``. A gradient that
 is row-sparse in a call, or None on every contributing rank, is left out of
 that call (its state unchanged). Where a matrix's summed ``P`` or ``Q`` is
@@ -41,13 +42,13 @@ from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .instrument import Instrument
 from .planning import ParamSpec
-from .powersgd import PowerSGD, draw_q, matrix_shape, orthonormalise
+from .powersgd import PowerSGD, compute_dtype, draw_q, matrix_shape, orthonormalise
 
 __all__ = ["LowRankPath"]
 
 
 class _Group:
-    """The compressed gradients of one device and dtype: their P and Q buffers, a workspace.
+    """The compressed gradients of one device and compute dtype: their P and Q buffers, a workspace.
 
     Args:
         indices: the parameters, in buffer order.
@@ -58,7 +59,7 @@ class _Group:
     def __init__(self, indices: Sequence[int], specs: Sequence[ParamSpec], rank: int) -> None:
         self.indices = tuple(indices)
         first = specs[self.indices[0]]
-        self.device, self.dtype = first.device, np.dtype(first.dtype)
+        self.device, self.dtype = first.device, compute_dtype(first.dtype)
         self.shapes = {i: matrix_shape(specs[i].shape) for i in self.indices}
         self.host = backend.is_host(self.device)
         self.xp: Any = np if self.host else _cupy()
@@ -78,7 +79,8 @@ class _Group:
             po, qo = po + n * rank, qo + m * rank
         self.work = backend.empty(max(n * m for n, m in self.shapes.values()), self.dtype, self.device)
         self.flat: Any = None  # the uncompressed calls' buffer (before start_iter), made when needed
-        self.limit = largest_finite(self.dtype)
+        #: Largest finite magnitude of each member's own dtype (for check_finite).
+        self.limits = {i: largest_finite(specs[i].dtype) for i in self.indices}
 
     def on_device(self) -> Any:
         """A context in which the group's arrays are current (the device; nothing on the host)."""
@@ -121,7 +123,7 @@ class LowRankPath:
         self.iteration = 0
         keyed: dict[tuple[str, str], list[int]] = {}
         for i in self.indices:
-            keyed.setdefault((specs[i].device, np.dtype(specs[i].dtype).str), []).append(i)
+            keyed.setdefault((specs[i].device, compute_dtype(specs[i].dtype).str), []).append(i)
         self.groups = [_Group(members, specs, self.config.rank) for members in keyed.values()]
         self._group_of = {i: g for g in self.groups for i in g.indices}
         #: The Q the next compressed call uses, per parameter (``m x rank``, on the parameter's device).
@@ -149,7 +151,7 @@ class LowRankPath:
             if i in self.error:
                 error[i] = self._host_copy(self.error[i])
             else:
-                error[i] = np.zeros(self.specs[i].shape, dtype=self.specs[i].dtype)
+                error[i] = np.zeros(self.specs[i].shape, dtype=compute_dtype(self.specs[i].dtype))
         return {"iteration": int(self.iteration), "q": q, "error": error}
 
     def load_state_dict(self, state: Any) -> None:
@@ -204,10 +206,11 @@ class LowRankPath:
                 spec = self.specs[i]
                 shape = (matrix_shape(spec.shape)[1], self.config.rank) if key == "q" else spec.shape
                 a = part[i]
-                if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != spec.dtype:
+                dtype = compute_dtype(spec.dtype)
+                if not isinstance(a, np.ndarray) or a.shape != shape or a.dtype != dtype:
                     got = f"{a.dtype} {a.shape}" if isinstance(a, np.ndarray) else type(a).__name__
                     raise ValueError(f"load_state_dict: state[{key!r}][{i}]: expected a numpy array of "
-                                     f"{np.dtype(spec.dtype)} {shape}, got {got}")
+                                     f"{dtype} {shape}, got {got}")
                 if not np.isfinite(a).all():
                     raise ValueError(f"load_state_dict: state[{key!r}][{i}]: holds NaN or Inf")
                 if key == "error" and not self.config.error_feedback and a.any():
@@ -270,11 +273,12 @@ class LowRankPath:
             else:
                 view[...] = 0
         t1 = time.perf_counter()
-        self._sum(g, g.flat[:offset], call, call.scale, "uncompressed", call.finite_check(g.limit))
+        self._sum(g, g.flat[:offset], call, call.scale, "uncompressed")
         t2 = time.perf_counter()
         if contributing:
             for i, view in zip(members, views):
                 scaled_copy(view, call.grads[i])
+                self._check(call, i, g)
         self._record(call, offset * g.dtype.itemsize, t0, t1 - t0, t2 - t1, time.perf_counter() - t2)
 
     def _compressed(self, call: Call, active: set[int]) -> None:
@@ -296,7 +300,7 @@ class LowRankPath:
             if i not in active or not contributing:
                 g.p_views[i][...] = 0
                 continue
-            m = matrices[i] = self._matrix(i, call.grads[i])
+            m = matrices[i] = self._matrix(i, call.grads[i], g.dtype)
             if feedback:
                 m += self.error[i].reshape(m.shape)
             xp.matmul(m, self.q[i], out=g.p_views[i])
@@ -336,9 +340,7 @@ class LowRankPath:
                     xp.subtract(m, e, out=e)  # e = M - P Q^T / c (M may be the gradient itself: before it)
                 grad = call.grads[i]
                 scaled_copy(a.reshape(grad.shape), grad, call.scale)
-                check = call.finite_check(g.limit)
-                if check is not None:
-                    check(grad)
+                self._check(call, i, g)
             if finite:
                 self._next_q(g, i, q)
 
@@ -359,14 +361,21 @@ class LowRankPath:
             host[:, cols] = fresh[:, cols]
             self._set(self.q[i], host)
 
-    def _matrix(self, i: int, grad: Any) -> Any:
-        """Gradient ``i`` as its ``n x m`` matrix: a view when it is C-contiguous, else a copy (M's home)."""
+    @staticmethod
+    def _check(call: Call, i: int, g: _Group) -> None:
+        """With ``check_finite``: flag NaN, Inf or overflow in result ``i`` (the same on every rank)."""
+        check = call.finite_check(g.limits[i])
+        if check is not None:
+            check(call.grads[i])
+
+    def _matrix(self, i: int, grad: Any, dtype: np.dtype) -> Any:
+        """Gradient ``i`` as its ``n x m`` matrix of ``dtype``: a view where it can be, else a copy (M's home)."""
         n, m = matrix_shape(self.specs[i].shape)
-        if grad.flags.c_contiguous:
+        if grad.flags.c_contiguous and grad.dtype == dtype:
             return grad.reshape(n, m)
         scratch = self._scratch.get(i)
         if scratch is None:
-            scratch = self._scratch[i] = backend.empty(n * m, grad.dtype, self.specs[i].device).reshape(n, m)
+            scratch = self._scratch[i] = backend.empty(n * m, dtype, self.specs[i].device).reshape(n, m)
         scaled_copy(grad, scratch)
         return scratch
 

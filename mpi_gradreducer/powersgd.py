@@ -21,20 +21,22 @@ import numpy as np
 
 from .planning import ParamSpec
 
-__all__ = ["PowerSGD", "draw_q", "matrix_shape", "orthonormalise"]
+__all__ = ["PowerSGD", "compute_dtype", "draw_q", "matrix_shape", "orthonormalise"]
 
-_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+_WIDE = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 @dataclass(frozen=True)
 class PowerSGD:
     """Low-rank gradient compression with error feedback: ``compression=PowerSGD(...)``.
 
-    A gradient of float32 or float64 with ``ndim >= 2`` and shape
-    ``(n, *rest)`` is the matrix ``M`` of shape ``n x m``, ``m =
-    prod(rest)``; it is compressed when ``n*m >= min_compression_rate * rank
-    * (n + m)``. Everything else is reduced as without compression. Calls
-    numbered below ``start_iter`` (from 0) reduce every gradient uncompressed.
+    A floating-point gradient (float16, bfloat16, float32, float64) with
+    ``ndim >= 2`` and shape ``(n, *rest)`` is the matrix ``M`` of shape ``n x
+    m``, ``m = prod(rest)``; it is compressed when ``n*m >=
+    min_compression_rate * rank * (n + m)``. Everything else is reduced as
+    without compression. Calls numbered below ``start_iter`` (from 0) reduce
+    every gradient uncompressed. P, Q and the error are computed and kept in
+    float64 for float64 gradients, else in float32.
 
     Args:
         rank: the rank of the approximation (columns of ``P`` and ``Q``).
@@ -83,7 +85,7 @@ class PowerSGD:
 
     def compresses(self, spec: ParamSpec) -> bool:
         """Whether gradients shaped like ``spec`` are compressed (the same rule on every rank)."""
-        if np.dtype(spec.dtype) not in _FLOATS or len(spec.shape) < 2 or spec.size == 0:
+        if not _floating(spec.dtype) or len(spec.shape) < 2 or spec.size == 0:
             return False
         n, m = matrix_shape(spec.shape)
         return n * m >= self.min_compression_rate * self.rank * (n + m)
@@ -96,6 +98,17 @@ class PowerSGD:
         """The options as integers, for the cross-rank check of the reducer's construction."""
         return (self.rank, self.start_iter, int(self.min_compression_rate * 1e6), int(self.error_feedback),
                 int(self.warm_start), self.seed)
+
+
+def compute_dtype(dtype: Any) -> np.dtype:
+    """The dtype of M, P, Q and the error for gradients of ``dtype``: float64 for float64, else float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _floating(dtype: Any) -> bool:
+    """float16, bfloat16, float32 or float64."""
+    dtype = np.dtype(dtype)
+    return dtype in _WIDE or dtype == np.float16 or dtype.name == "bfloat16"
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -114,21 +127,36 @@ def draw_q(seed: int, index: int, call: int, m: int, rank: int) -> np.ndarray:
 
 
 def orthonormalise(p: Any) -> None:
-    """Make the columns of ``p`` (``n x rank``) orthonormal in place, by modified Gram-Schmidt.
+    """Make the columns of ``p`` (``n x rank``) orthonormal in place, by Gram-Schmidt with reorthogonalisation.
 
-    A column that is zero (or becomes zero) stays zero, never NaN. Each
-    column is divided by its largest magnitude before its norm is taken, so
-    that the norm neither overflows nor underflows. Works for numpy and cupy.
+    Each column has the earlier ones projected out twice ("twice is
+    enough"; once is not where the columns are nearly dependent). A column
+    left with no more than rounding noise (a norm below ``4 sqrt(n) eps``
+    times its norm before the projections) is dependent on the earlier ones
+    and becomes zero: normalising the noise would not give an orthogonal
+    direction (with constant data, for one, the noise lies along the earlier
+    column), and ``P P^T`` would then not be a projection. This happens
+    whenever a gradient's rank is below PowerSGD's. A zero column stays zero,
+    never NaN. Each column is divided by its largest magnitude first, so that
+    its norm neither overflows nor underflows. Works for numpy and cupy.
     """
+    n = p.shape[0]
+    noise = 4.0 * math.sqrt(max(n, 1)) * float(np.finfo(p.dtype).eps)
     for j in range(p.shape[1]):
         col = p[:, j]
-        for k in range(j):
-            other = p[:, k]
-            col -= (other @ col) * other
-        biggest = float(abs(col).max()) if col.shape[0] else 0.0
+        biggest = float(abs(col).max()) if n else 0.0
         if biggest == 0.0:
             col[...] = 0
             continue
         if math.isfinite(biggest):
             col /= biggest
-        col /= float((col @ col) ** 0.5)
+        before = float((col @ col) ** 0.5)
+        for _ in range(2 if j else 0):
+            for k in range(j):
+                other = p[:, k]
+                col -= (other @ col) * other
+        after = float((col @ col) ** 0.5)
+        if after <= noise * before:
+            col[...] = 0
+            continue
+        col /= after

@@ -20,7 +20,7 @@ from mpi_gradreducer.powersgd import draw_q, orthonormalise
 
 SHAPES64 = [(24, 18), (18,), (3, 4), (12, 2, 3, 3)]  # compressed at rank 2: 0 and 3
 SHAPES32 = [(20, 30), (30,), (8, 3, 2, 2)]  # compressed at rank 2: 0 and 2
-TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4}
+TOL = {np.dtype(np.float64): 1e-10, np.dtype(np.float32): 1e-4, np.dtype(np.float16): 2e-3}
 
 
 def _params(shapes, dtype):
@@ -133,8 +133,9 @@ def _agree(failures: list[str]) -> None:
 
 
 @pytest.mark.mpi(min_size=1)
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 def test_every_call_matches_the_six_steps(dtype):
+    """float16 gradients are compressed in float32 (P, Q and the error), the result rounded back."""
     shapes = SHAPES64 if dtype == np.float64 else SHAPES32
     config = PowerSGD(rank=2, start_iter=2, seed=3)
     params = _params(shapes, dtype)
@@ -445,8 +446,8 @@ def test_which_gradients_are_compressed():
     assert config.compresses(ParamSpec((8, 8), f32)) and not config.compresses(ParamSpec((7, 8), f32))
     assert config.compresses(ParamSpec((8, 2, 2, 2), f32))  # n=8, m=8
     assert not config.compresses(ParamSpec((1000,), f32))  # vectors never
-    assert not config.compresses(ParamSpec((64, 64), np.dtype(np.float16)))  # other dtypes never
-    assert not config.compresses(ParamSpec((64, 64), np.dtype(np.complex64)))
+    assert config.compresses(ParamSpec((64, 64), np.dtype(np.float16)))  # in float32
+    assert not config.compresses(ParamSpec((64, 64), np.dtype(np.complex64)))  # other dtypes never
     assert not config.compresses(ParamSpec((0, 64), f32))
 
 
@@ -492,3 +493,28 @@ def _spec(g: np.ndarray):
     from mpi_gradreducer.planning import ParamSpec
 
     return ParamSpec(g.shape, g.dtype)
+
+
+def test_orthonormalise_zeroes_dependent_columns():
+    p = np.full((100, 4), 3.0) @ np.diag([1.0, 2.0, 3.0, 4.0])  # rank 1: one direction, the rest rounding
+    orthonormalise(p)
+    assert np.allclose(p[:, 0], 0.1) and not p[:, 1:].any()
+    q = np.random.default_rng(1).standard_normal((50, 2)) @ np.random.default_rng(2).standard_normal((2, 4))
+    orthonormalise(q)  # rank 2 of 4
+    kept = q[:, np.abs(q).max(axis=0) > 0]
+    assert kept.shape[1] == 2 and np.allclose(kept.T @ kept, np.eye(2))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_gradients_of_lower_rank_than_powersgd_come_back_exactly():
+    """Each rank's gradient is rank 1 (a batch of one), so the sum has rank <= 4: PowerSGD(rank=4) is exact."""
+    size, dtype = WORLD.Get_size(), np.float32
+    params = [np.zeros((64, 48), dtype), np.zeros((48, 8, 2), dtype)]
+    rng = np.random.default_rng(5 + WORLD.Get_rank())
+    with DistributedGradReducer(params, compression=PowerSGD(rank=4, start_iter=0)) as reducer:
+        for _ in range(3):
+            grads = [np.outer(rng.standard_normal(p.shape[0]), rng.standard_normal(p.size // p.shape[0]))
+                     .reshape(p.shape).astype(dtype) for p in params]
+            total = [sum(parts) for parts in zip(*WORLD.allgather([g.astype(np.float64) for g in grads]))]
+            reducer(grads)
+            assert all(_close(g, t / size, 1e-4) for g, t in zip(grads, total))

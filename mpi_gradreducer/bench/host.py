@@ -49,6 +49,10 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     built from them; ``reducer-torch / reducer`` is the cost of taking torch
     tensors. Reported as not supported, on every rank alike, while the
     reducer refuses torch tensors.
+``reducer-powersgd``, ``torch-powersgd``
+    Only when asked for (``--methods``): PowerSGD in the reducer, and torch
+    DDP's ``powerSGD_hook`` over gloo as the peer, at ``--powersgd-rank``;
+    bytes per call and a modelled link (:mod:`mpi_gradreducer.bench.powersgd`).
 ``torch-gloo``
     When torch is importable: ``torch.distributed`` with the gloo backend
     doing what DDP does: buckets in reverse parameter order, per dtype, of
@@ -83,6 +87,7 @@ from .environment import environment, loadavg
 from .limit import best_limit, limit_cases
 from .output import KIB, MIB, bytes_label, noise_or, size_label, write_json
 from .overlap import bench_overlap, format_overlap
+from . import powersgd
 from .sweeps import SWEEPS, allreduce_curve, format_sweeps, run_sweeps
 from .timing import Case, agree, all_close, expected_sum, fill_value, filler, keep_working, summary, time_cases
 from .torch_methods import Gloo, gloo_usable, torch_ingestion
@@ -93,7 +98,9 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
 METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard",
-           "reducer-torch", "torch-gloo")
+           "reducer-torch", "torch-gloo", *powersgd.POWERSGD_METHODS)
+#: What runs without ``--methods``: all but PowerSGD's.
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in powersgd.POWERSGD_METHODS)
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
 LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
 #: The limit case that is one Allreduce of all the bytes.
@@ -110,6 +117,7 @@ class _Methods:
     messages: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)
     handles: list[Any] = field(default_factory=list)
+    peers: dict[str, Any] = field(default_factory=dict)
 
     def free(self) -> None:
         """Free every reducer and MPI handle made."""
@@ -201,7 +209,7 @@ def _add_torch_reducer(comm: MPI.Intracomm, grads: list[np.ndarray], unsupported
 
 
 def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray], methods: Sequence[str],
-                      gloo: Gloo | None, torch_unsupported: str | None) -> _Methods:
+                      gloo: Gloo | None, torch_unsupported: str | None, powersgd_rank: int = 4) -> _Methods:
     """Every requested case of one workload; reducers are built here (collective)."""
     m = _Methods()
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
@@ -221,16 +229,18 @@ def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray]
         if "torch-gloo" in methods and gloo is not None:
             run, m.messages["torch-gloo"] = gloo.ddp_like(grads)
             m.cases.append(Case("torch-gloo", filler(grads, value), run, lambda: all_close(grads, mean)))
+        powersgd.add_cases(comm, grads, methods, powersgd_rank, gloo, m.cases, m.reducers, m.skipped, m.peers)
     except BaseException:
         m.free()
         raise
     for name, r in m.reducers.items():
         m.messages[name] = len(r.buckets) * (2 if name == "reducer-shard" else 1)  # reduce-scatter + allgather
+    m.messages.pop("reducer-powersgd", None)  # its buckets are not all it sends: see its reducer_stats
     return m
 
 
 def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gloo: Gloo | None,
-                   torch_unsupported: str | None, reps: int, warmup: int) -> dict[str, Any]:
+                   torch_unsupported: str | None, reps: int, warmup: int, powersgd_rank: int = 4) -> dict[str, Any]:
     """Time the ``methods`` on one workload, interleaved (collective).
 
     Args:
@@ -242,16 +252,18 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
             rank), or None to try it.
         reps: timed repetitions.
         warmup: untimed repetitions first.
+        powersgd_rank: the rank of ``reducer-powersgd`` and ``torch-powersgd``.
 
     Returns:
         The workload's facts, ``messages``, ``reducer_stats``, ``skipped``,
         ``methods`` (summaries, with ``ratio_to_limit``) and the derived figures.
     """
     grads = wl.arrays()
-    m = _workload_methods(comm, wl, grads, methods, gloo, torch_unsupported)
+    m = _workload_methods(comm, wl, grads, methods, gloo, torch_unsupported, powersgd_rank)
     try:
         times = time_cases(comm, m.cases, reps, warmup)
         stats = {name: reducer_stats(r) for name, r in m.reducers.items() if name in times}
+        peer_bytes = {name: peer.wire_bytes() for name, peer in m.peers.items()}
     finally:
         m.free()
     size = comm.Get_size()
@@ -262,6 +274,10 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
     out.update(_ratios(times, results))
     if "reducer" in times and "reducer-novalidate" in times:
         out.update(_validation_cost(comm, wl, times, reps, warmup))
+    if any(name in times for name in powersgd.POWERSGD_METHODS):
+        out["powersgd_rank"] = powersgd_rank
+        out["powersgd_peer_bytes"] = peer_bytes
+        out["powersgd_link"] = powersgd.model(out, size)
     return out
 
 
@@ -386,6 +402,8 @@ def format_workload(name: str, res: dict[str, Any]) -> str:
                            for v in res["limit_by_chunk"].values())
         lines.append(f"  limit by chunk (ms): {chunks}")
     lines.extend(_derived_lines(name, res))
+    if "powersgd_rank" in res:
+        lines.extend(powersgd.format_lines(res))
     return "\n".join(lines)
 
 
@@ -404,8 +422,14 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument("--workload", nargs="*", choices=list(WORKLOADS), default=None,
                    help=f"workloads to run (default: {' '.join(DEFAULT_WORKLOADS)}; the option alone: none, "
                         "e.g. to run only --sweep)")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
-                   help="methods to time (default: all; reducer-torch and torch-gloo only where torch imports)")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
+                   help="methods to time (default: all but reducer-powersgd and torch-powersgd; reducer-torch, "
+                        "torch-gloo and torch-powersgd only where torch imports)")
+    p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
+                   help="the rank of reducer-powersgd and torch-powersgd (default 4)")
+    p.add_argument("--powersgd-plot", metavar="PATH",
+                   help="write a PNG of step time against link bandwidth, modelled from the measured parts of "
+                        "reducer and reducer-powersgd")
     add_shared_options(p, reps=7)
     p.add_argument("--sweep", nargs="*", choices=SWEEPS, default=None,
                    help="also run these experiments (no value: all): the reducer's bucket_bytes on resnet50 "
@@ -420,8 +444,11 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
 
 
 def _check(args: argparse.Namespace) -> str | None:
-    if args.plot and importlib.util.find_spec("matplotlib") is None:
-        return "--plot needs matplotlib (pip install matplotlib)"
+    for option, value in (("--plot", args.plot), ("--powersgd-plot", args.powersgd_plot)):
+        if value and importlib.util.find_spec("matplotlib") is None:
+            return f"{option} needs matplotlib (pip install matplotlib)"
+    if args.powersgd_rank < 1:
+        return f"--powersgd-rank: expected a positive int, got {args.powersgd_rank}"
     return None
 
 
@@ -430,16 +457,17 @@ def _run_workloads(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[
     names = list(DEFAULT_WORKLOADS) if args.workload is None else args.workload
     torch_unsupported = torch_ingestion(comm) if "reducer-torch" in args.methods and names else None
     gloo = None
-    if "torch-gloo" in args.methods and names:
+    if ("torch-gloo" in args.methods or "torch-powersgd" in args.methods) and names:
         if gloo_usable(comm):
             gloo = Gloo(comm)
         else:
-            say("torch-gloo: skipped (torch with gloo is not importable on every rank)")
+            say("torch-gloo, torch-powersgd: skipped (torch with gloo is not importable on every rank)")
     results["torch_gloo"] = gloo is not None
     try:
         for name in names:
             wl = make_workload(name, args.scale, args.small_count, args.small_size)
-            res = bench_workload(comm, wl, args.methods, gloo, torch_unsupported, args.reps, args.warmup)
+            res = bench_workload(comm, wl, args.methods, gloo, torch_unsupported, args.reps, args.warmup,
+                                 args.powersgd_rank)
             results["workloads"][name] = res
             say(format_workload(name, res) + "\n")
     finally:
@@ -472,10 +500,12 @@ def _write_outputs(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[
                 from .plot import plot
 
                 plot(args.plot, results)
+            if args.powersgd_plot:
+                powersgd.plot_links(args.powersgd_plot, results)
         except Exception as exc:  # tell the other ranks instead of leaving them waiting
             failure = f"could not write the results: {exc!r}"
         else:
-            for path in (args.json, args.plot):
+            for path in (args.json, args.plot, args.powersgd_plot):
                 if path:
                     say(f"wrote {path}")
     failure = comm.bcast(failure, root=0)
@@ -500,7 +530,8 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
     args, comm, say = start(_parser, argv, comm, _check)
     try:
         results: dict[str, Any] = {"environment": environment(comm, "mpi_gradreducer.bench", argv),
-                                   "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+                                   "settings": {k: v for k, v in vars(args).items()
+                                                if k not in ("json", "plot", "powersgd_plot")},
                                    "workloads": {}}
         _run_workloads(comm, args, say, results)
         _run_extras(comm, args, say, results)
