@@ -13,9 +13,9 @@ Example::
 from .groups import broadcast_parameters, create_group, local_rank, select_device
 from .planning import Bucket
 from .powersgd import PowerSGD
-from .sparse import RowSparse
 from .reducer import DistributedGradReducer, ReducerStats
 from .shard import Piece, Shard
+from .sparse import RowSparse
 
 __version__ = "0.1.0"
 

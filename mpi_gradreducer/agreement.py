@@ -135,4 +135,4 @@ def check_same(
 
 def _split(flat: np.ndarray, widths: np.ndarray) -> list[tuple[int, ...]]:
     ends = np.cumsum(widths)
-    return [tuple(int(v) for v in flat[e - w : e]) for w, e in zip(widths, ends)]
+    return [tuple(int(v) for v in flat[e - w : e]) for w, e in zip(widths, ends, strict=True)]

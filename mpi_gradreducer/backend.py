@@ -63,7 +63,7 @@ def byte_bounds(a: Any) -> tuple[int, int]:
     """First and one-past-last byte address that ``a`` may touch."""
     ptr = a.__array_interface__["data"][0] if isinstance(a, np.ndarray) else a.data.ptr
     lo = hi = ptr
-    for n, s in zip(a.shape, a.strides):
+    for n, s in zip(a.shape, a.strides, strict=True):
         if s >= 0:
             hi += (n - 1) * s
         else:
@@ -440,7 +440,7 @@ def kernel_source(item: str, wire: str) -> str:
     return defines + _HELPERS + _BATCHED_COPY
 
 
-@functools.lru_cache(maxsize=None)  # a memo of compiled code, like cupy's own
+@functools.cache  # a memo of compiled code, like cupy's own
 def _kernel(item: str, wire: str) -> Any:
     """The batched-copy kernel for ``item`` members and a ``wire`` buffer (compiled once)."""
     import cupy

@@ -230,7 +230,8 @@ def resolve(
     )
 
 
-def agree(comm: MPI.Intracomm, parameters: Iterable[Any], kwargs: dict[str, Any]) -> tuple[tuple[ParamSpec, ...], Options]:
+def agree(comm: MPI.Intracomm, parameters: Iterable[Any],
+          kwargs: dict[str, Any]) -> tuple[tuple[ParamSpec, ...], Options]:
     """The parameters' specs and the options, checked locally, then agreed by every rank (collective).
 
     Raises:
@@ -346,7 +347,7 @@ def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, .
               int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
               int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd)
     rows = [header]
-    for spec, fid, skip in zip(specs, options.ids, options.skip):
+    for spec, fid, skip in zip(specs, options.ids, options.skip, strict=True):
         device_kind = 0 if backend.is_host(spec.device) else 1
         rows.append((dtype_code(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))
     return rows

@@ -6,8 +6,9 @@ not), whether it needs a closer look (it passed ``None`` for some gradient),
 whether it passes the reducer's own bucket views for every gradient (only
 then may consecutive buckets be reduced as one run, since that changes the
 messages), whether it started the call with ``begin()`` and whether with
-``reduce_scatter()`` (its messages differ from a plain call's), and three 8-bit digests of the call's structure (the call number
-and where its ``RowSparse`` entries are) with their squares. They are *summed* across
+``reduce_scatter()`` (its messages differ from a plain call's), and three
+8-bit digests of the call's structure (the call number and where its
+``RowSparse`` entries are) with their squares. They are *summed* across
 ranks together with the call's first message: the header occupies a few
 leading elements of that message's buffer (:data:`SLOTS` real values), so a
 healthy call pays no message of its own. From the sums every rank reads the

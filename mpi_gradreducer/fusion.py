@@ -51,7 +51,7 @@ class FusionBuffer:
             b = self.bucket
             self.buffer = backend.empty(b.count, b.wire_dtype, b.device) if buffer is None else buffer
             self.views = [
-                self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes)
+                self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes, strict=True)
             ]
         return self.buffer
 
@@ -69,7 +69,7 @@ class FusionBuffer:
         """
         if not self.native:
             return None
-        if self.views and all(g is v for g, v in zip(members, self.views)):
+        if self.views and all(g is v for g, v in zip(members, self.views, strict=True)):
             return self.buffer
         if len(members) == 1:
             return backend.flat_view(members[0])
@@ -89,19 +89,20 @@ class FusionBuffer:
             if self._gathered:
                 return 0
             if len(members) < GATHER_MEMBERS:  # a few numpy copies cost less than one concatenate
-                for v, g in zip(self.views, members):
+                for v, g in zip(self.views, members, strict=True):
                     v[...] = g
             else:
                 np.concatenate(members, axis=None, out=self.buffer)  # one C-level loop over all members
         else:
-            for k, (v, g) in enumerate(zip(self.views, members)):
+            for k, (v, g) in enumerate(zip(self.views, members, strict=True)):
                 if skip and skip[k]:
                     v[...] = 0  # its slot still travels: zeros, never stale values or NaN
                 else:
                     scaled_copy(g, v, scale, self._compute_dtype)
         return 0
 
-    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = (), packed: bool = False) -> int:
+    def unpack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = (),
+               packed: bool = False) -> int:
         """Copy (and cast, and scale) the reduced buffer back into the members.
 
         ``packed``: ``members`` are those of the last :meth:`pack`, in the same call.
@@ -114,10 +115,10 @@ class FusionBuffer:
         if self.native and scale == 1.0 and not skip:
             if self._gather is not None and self._gather.unpack(self.buffer, members, packed and self._gathered):
                 return 0
-            for v, g in zip(self.views, members):  # the common case: one C call per member, nothing else
+            for v, g in zip(self.views, members, strict=True):  # the common case: one C call per member, nothing else
                 g[...] = v
             return 0
-        for k, (v, g) in enumerate(zip(self.views, members)):
+        for k, (v, g) in enumerate(zip(self.views, members, strict=True)):
             if not (skip and skip[k]):
                 scaled_copy(v, g, scale, self._compute_dtype)
         return 0
@@ -179,7 +180,7 @@ def _adjacent_run(members: Sequence[Any], bucket: Bucket) -> Any | None:
             return None
     itemsize = bucket.dtype.itemsize
     start = members[0].__array_interface__["data"][0]
-    for g, off in zip(members, bucket.offsets):
+    for g, off in zip(members, bucket.offsets, strict=True):
         if g.__array_interface__["data"][0] != start + off * itemsize:
             return None
     first = (start - base.__array_interface__["data"][0]) // itemsize
@@ -239,7 +240,8 @@ class FusionPlan:
 
         None for the parameters that are not checked (skipped). The caller zeroes them.
         """
-        if self._stand_ins is None or any(a is not v for a, v in zip(self._stand_ins, self.own_views) if v is not None):
+        if self._stand_ins is None or any(a is not v for a, v in zip(self._stand_ins, self.own_views, strict=True)
+                                          if v is not None):
             self._stand_ins = [None] * len(self.specs)
             for i in self.checked:
                 view = self.own_views[i]
@@ -260,7 +262,7 @@ class FusionPlan:
             for f in members:
                 f.allocate(block[offset : offset + f.bucket.count])
                 offset += f.bucket.count
-                for i, v in zip(f.bucket.indices, f.views):
+                for i, v in zip(f.bucket.indices, f.views, strict=True):
                     grads[i] = self.own_views[i] = v
         for i, spec in enumerate(self.specs):
             if grads[i] is None:

@@ -21,16 +21,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from . import backend, compression as wire, control, transport
+from .call import Call
 from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .fusion import FusionBuffer, FusionPlan, join_runs
-from .call import Call
 from .instrument import Instrument
 from .sparse import allgather_rowsparse
 from .staging import StagingPipeline, reduce_direct
@@ -387,7 +388,7 @@ class SparsePath:
         for i in call.sparse if call.gather_sparse and not call.void else ():
             t0 = time.perf_counter()
             result = ctx.instrument.collective(
-                lambda i=i: f"RowSparse grads[{i}]", call.number, allgather_rowsparse,
+                partial("RowSparse grads[{}]".format, i), call.number, allgather_rowsparse,
                 ctx.comm, call.grads[i], call.scale, ctx.options.coalesce,
             )
             rows_hold_values = int(np.prod(ctx.plan.specs[i].shape[1:], dtype=np.int64)) > 0

@@ -9,9 +9,9 @@ from typing import Any
 from mpi4py import MPI
 
 from . import config, control, paths, shard
+from .call import Call, close, open_call, settle
 from .compression import get_compression
 from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
-from .call import Call, close, open_call, settle
 from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
 from .lowrank import LowRankPath
@@ -338,7 +338,8 @@ class DistributedGradReducer:
     def _start(self, grads: Any, asynchronous: bool = False, sharded: bool = False, joined: bool = False) -> Call:
         """Validate ``grads`` (or, ``joined``, none), open the call, read its header if it goes ahead."""
         if self._active is not None and not self._active.closed:
-            raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; wait() for it first")
+            raise RuntimeError("a reduction started with begin() or reduce_async() is still in flight; "
+                               "wait() for it first")
         if self._comm == MPI.COMM_NULL:
             raise RuntimeError("this reducer was freed")
         if self._tuner is not None and self._tuner.current() != self._bucket_bytes:

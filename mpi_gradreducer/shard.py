@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -112,7 +113,7 @@ def layout(buckets: Sequence[Bucket], size: int, rank: int) -> list[Span]:
         received = 0  # where the rank's slice of this chunk starts among the values it receives for the bucket
         for c0, edges in cuts(b, size):
             lo, hi = c0 + edges[rank], c0 + edges[rank + 1]
-            for i, o, n in zip(b.indices, b.offsets, b.sizes):
+            for i, o, n in zip(b.indices, b.offsets, b.sizes, strict=True):
                 start, stop = max(lo, o), min(hi, o + n)
                 if start < stop:
                     spans.append(Span(k, i, start - o, stop - o, received + start - lo))
@@ -197,7 +198,7 @@ class Sharder:
             for c0, n, counts, _, at in self.chunks(k):
                 mine = received[at: at + counts[self.rank]]
                 if self.size > 1:
-                    self.instrument.collective(lambda k=k: f"reduce-scatter of bucket {k} ({b.nbytes} bytes)",
+                    self.instrument.collective(partial("reduce-scatter of bucket {} ({} bytes)".format, k, b.nbytes),
                                                call.number, self.comm.Reduce_scatter, send[c0: c0 + n], mine,
                                                counts, op=MPI.SUM)
                 else:
@@ -225,7 +226,7 @@ class Sharder:
         if wide is None:
             wide = self._wide[k] = np.empty(b.count, reduction_dtype(b.dtype))
         offsets = b.offsets if len(parts) == len(b.indices) else (0,)
-        for part, o in zip(parts, offsets):
+        for part, o in zip(parts, offsets, strict=True):
             flat = backend.to_numpy(part).reshape(-1) if not isinstance(part, np.ndarray) else part.reshape(-1)
             scaled_copy(flat, wide[o: o + flat.shape[0]])
         return wide
@@ -237,7 +238,7 @@ class Sharder:
             f.pack(members)
             return f.buffer
         host = np.empty(f.bucket.count, f.bucket.wire_dtype)  # staged through host memory
-        for g, o, n in zip(members, f.bucket.offsets, f.bucket.sizes):
+        for g, o, n in zip(members, f.bucket.offsets, f.bucket.sizes, strict=True):
             scaled_copy(backend.to_numpy(g).reshape(-1), host[o: o + n])
         return host
 
@@ -286,12 +287,12 @@ class Sharder:
             for c0, n, counts, displs, _ in self.chunks(k):
                 if self.size > 1:
                     self.instrument.collective(
-                        lambda k=k: f"allgather of bucket {k} ({b.count * b.dtype.itemsize} bytes)", shard.call,
+                        partial("allgather of bucket {} ({} bytes)".format, k, b.count * b.dtype.itemsize), shard.call,
                         self.comm.Allgatherv, MPI.IN_PLACE, [wire[c0: c0 + n], (counts, displs)])
                 self.instrument.stats.messages += 1
             if whole is not self._gathered[k]:
                 continue  # gathered where it lies
-            for g, o, n in zip(members, b.offsets, b.sizes):
+            for g, o, n in zip(members, b.offsets, b.sizes, strict=True):
                 if host:
                     g[...] = whole[o: o + n].reshape(g.shape)
                 else:

@@ -168,7 +168,7 @@ def _gather_bytes(comm: MPI.Intracomm, blob: np.ndarray) -> list[bytes] | None:
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]])
     out = np.empty(int(counts.sum()), dtype=np.uint8)
     comm.Gatherv(blob, [out, counts, displs, MPI.BYTE], root=0)
-    return [out[d : d + c].tobytes() for d, c in zip(displs, counts)]
+    return [out[d : d + c].tobytes() for d, c in zip(displs, counts, strict=True)]
 
 
 def _trace(ranks: list[dict[str, Any]], hosts: list[str]) -> dict[str, Any]:

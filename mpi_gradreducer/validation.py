@@ -71,9 +71,11 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
     if not isinstance(grads, Sequence):
         return Checked(TypeError(
             f"grads: expected a list of {n} arrays (one per parameter), got {type(grads).__name__}"
-            + ("; pass list(...) of it" if isinstance(grads, Iterable) and not isinstance(grads, (str, bytes)) else "")))
+            + ("; pass list(...) of it" if isinstance(grads, Iterable) and not isinstance(grads, (str, bytes))
+               else "")))
     if len(grads) != n:
-        return Checked(ValueError(f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}"))
+        return Checked(ValueError(
+            f"grads: expected {n} arrays (one per parameter, as at construction), got {len(grads)}"))
     own, specs = plan.own_views, plan.specs
     sparse: list[int] = []
     absent: list[int] = []
@@ -211,7 +213,8 @@ def _sparse_mismatch(i: int, g: RowSparse, spec: ParamSpec, grads: Sequence[Any]
             f"so grads must be a list, got {type(grads).__name__}"
         )
     if spec.device != "cpu":
-        return TypeError(f"grads[{i}]: a RowSparse gradient needs a host parameter, but parameter {i} is on {spec.device}")
+        return TypeError(
+            f"grads[{i}]: a RowSparse gradient needs a host parameter, but parameter {i} is on {spec.device}")
     error = g.check()
     if error is not None:
         return type(error)(f"grads[{i}]: {error}")

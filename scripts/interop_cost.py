@@ -10,6 +10,8 @@ tensors every call, as after ``zero_grad()``), interleaved, medians.
 from __future__ import annotations
 
 import timeit
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,17 +40,22 @@ def per_object() -> None:
         print(f"{name:44s} {best * 1e6:6.2f} us")
 
 
+def _cases(reducer: DistributedGradReducer, arrays: list[np.ndarray],
+           tensors: list[Any]) -> dict[str, Callable[[], object]]:
+    return {
+        "numpy": lambda: reducer(arrays),
+        "torch (new tensors)": lambda: reducer([torch.empty_like(t) for t in tensors]),
+        "torch (same tensors)": lambda: reducer(tensors),
+        "alloc new tensors only": lambda: [torch.empty_like(t) for t in tensors],
+    }
+
+
 def per_call(comm: MPI.Comm, reps: int = 15) -> None:
     for wl in (resnet50(), many_small()):
-        arrays = [np.ones(s, d) for s, d in zip(wl.shapes, wl.dtypes)]
+        arrays = [np.ones(s, d) for s, d in zip(wl.shapes, wl.dtypes, strict=True)]
         tensors = [torch.from_numpy(a.copy()) for a in arrays]
         with DistributedGradReducer(arrays, group=comm) as reducer:
-            cases = {
-                "numpy": lambda: reducer(arrays),
-                "torch (new tensors)": lambda: reducer([torch.empty_like(t) for t in tensors]),
-                "torch (same tensors)": lambda: reducer(tensors),
-                "alloc new tensors only": lambda: [torch.empty_like(t) for t in tensors],
-            }
+            cases = _cases(reducer, arrays, tensors)
             times: dict[str, list[float]] = {k: [] for k in cases}
             for _ in range(3):
                 for fn in cases.values():

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 #: Phase colours, in order of first appearance (matplotlib's tab10, reordered).
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
@@ -56,7 +57,7 @@ def depths(events: Sequence[dict[str, Any]]) -> list[int]:
 
 
 def draw(events: list[dict[str, Any]], names: dict[int, str], path: str,
-         window: Optional[tuple[float, float]] = None, title: Optional[str] = None) -> None:
+         window: tuple[float, float] | None = None, title: str | None = None) -> None:
     """Render the events (times in microseconds) to ``path``.
 
     Args:
@@ -105,15 +106,16 @@ def draw(events: list[dict[str, Any]], names: dict[int, str], path: str,
     plt.close(fig)
 
 
-def _group(events: Sequence[dict[str, Any]], level: Sequence[int]) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
+def _group(events: Sequence[dict[str, Any]],
+           level: Sequence[int]) -> dict[tuple[str, int, int], list[tuple[float, float]]]:
     """(start, duration) bars in milliseconds, by (phase, depth, pid)."""
     groups: dict[tuple[str, int, int], list[tuple[float, float]]] = {}
-    for e, depth in zip(events, level):
+    for e, depth in zip(events, level, strict=True):
         groups.setdefault((e["name"], depth, e["pid"]), []).append((e["ts"] / 1e3, max(e["dur"] / 1e3, 1e-4)))
     return groups
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line; returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace", help="trace-event JSON file")

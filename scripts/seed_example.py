@@ -53,7 +53,7 @@ class Momentum:
         self.moments = [np.zeros_like(p) for p in parameters]
 
     def __call__(self, grads: list[np.ndarray]) -> None:
-        for p, v, g in zip(self.parameters, self.moments, grads):
+        for p, v, g in zip(self.parameters, self.moments, grads, strict=True):
             v *= self.momentum
             v += g
             p -= self.learning_rate * v

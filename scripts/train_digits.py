@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 from mpi4py import MPI
@@ -141,7 +142,7 @@ def forward_backward(
     y: np.ndarray,
     scale: float,
     grads: Sequence[np.ndarray],
-    ready: Optional[Callable[[int], None]] = None,
+    ready: Callable[[int], None] | None = None,
 ) -> float:
     """``scale`` times the summed cross-entropy of the rows of ``x``, and its gradient.
 
@@ -197,7 +198,7 @@ class Momentum:
 
     def step(self, grads: Sequence[np.ndarray]) -> None:
         """Apply one update in place."""
-        for p, v, g in zip(self.params, self.velocity, grads):
+        for p, v, g in zip(self.params, self.velocity, grads, strict=True):
             v *= self.momentum
             v += g
             p -= self.lr * v
@@ -234,7 +235,7 @@ class Trainer:
     """
 
     def __init__(
-        self, comm: Optional[MPI.Intracomm], params: list[np.ndarray], lr: float, momentum: float,
+        self, comm: MPI.Intracomm | None, params: list[np.ndarray], lr: float, momentum: float,
         overlap: bool = False,
     ) -> None:
         self.comm = comm
@@ -305,7 +306,7 @@ def train(
     data: Data,
     settings: Settings,
     progress: bool = False,
-    timeline: Optional[Timeline] = None,
+    timeline: Timeline | None = None,
 ) -> Result:
     """Train data-parallel over ``comm`` (collective) and evaluate after every epoch.
 
@@ -411,7 +412,7 @@ def check_equivalence(
         shared.step(x[mine], data.y_train[mine], len(batch))
         alone.step(x[batch], data.y_train[batch], len(batch))
     shared.free()
-    diff = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(shared.params, alone.params))])
+    diff = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(shared.params, alone.params, strict=True))])
     comm.Allreduce(MPI.IN_PLACE, diff, op=MPI.MAX)
     return float(diff[0])
 
@@ -456,7 +457,7 @@ def check_shard(
         shard.allgather(params)
     reducer.free()
     plain.free()
-    out = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(plain.params, params)),
+    out = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(plain.params, params, strict=True)),
                     sum(v.nbytes for v in velocity.values())])
     comm.Allreduce(MPI.IN_PLACE, out, op=MPI.MAX)
     return float(out[0]), int(out[1]), sum(v.nbytes for v in plain.optimizer.velocity)
@@ -501,7 +502,7 @@ def check_uneven(
             g = [np.zeros_like(p) for p in params]
             b = own[c * size + r]
             forward_backward(alone.params, x[b], data.y_train[b], 1 / len(b), g)
-            for s, gi in zip(summed, g):
+            for s, gi in zip(summed, g, strict=True):
                 s += gi / len(active)
         alone.step(summed)
         if rank in active:
@@ -514,7 +515,7 @@ def check_uneven(
     reducer.join()
     reducer.free()
     broadcast_parameters(params, root=int(np.argmax(counts)), group=comm)
-    diff = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(params, alone.params))])
+    diff = np.array([max(float(np.max(np.abs(a - b))) for a, b in zip(params, alone.params, strict=True))])
     comm.Allreduce(MPI.IN_PLACE, diff, op=MPI.MAX)
     return float(diff[0]), comm.bcast(contributors, root=int(np.argmax(counts)))
 
@@ -565,7 +566,7 @@ def plot(result: Result, steps_per_epoch: int, path: str, ranks: int) -> None:
     plt.close(fig)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """The command line (collective over ``MPI.COMM_WORLD``); returns the exit status."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=Settings.epochs)

@@ -27,17 +27,21 @@ from __future__ import annotations
 
 import argparse
 import socket
-import time
 import sys
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
+from train_digits import (
+    Settings as DigitsSettings,  # scripts/, next to this file
+    load_data as load_digits,
+)
 
 from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, interop
-from train_digits import Settings as DigitsSettings, load_data as load_digits  # scripts/, next to this file
 
 #: Required agreement of the reducer's and DDP's parameters (float64).
 DDP_TOLERANCE = 1e-9
@@ -155,7 +159,7 @@ def accuracy(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 def max_difference(a: torch.nn.Module, b: torch.nn.Module, comm: MPI.Comm) -> float:
     """Largest absolute difference between the two models' parameters, over all ranks."""
     with torch.no_grad():
-        local = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+        local = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     return comm.allreduce(local, op=MPI.MAX)
 
 

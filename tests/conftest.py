@@ -55,7 +55,8 @@ def expected_mean(comm: MPI.Comm, k: float = 0.0) -> float:
 
 def assert_same_on_all_ranks(comm: MPI.Comm, arrays) -> None:
     """Every rank holds bitwise the same bytes (checked by rank 0's copy)."""
-    blob = np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays]) if arrays else np.zeros(0, np.uint8)
+    blob = (np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(-1) for a in arrays]) if arrays
+            else np.zeros(0, np.uint8))
     root = blob.copy()
     comm.Bcast(root, root=0)
     same = np.array([int(np.array_equal(root, blob))], dtype=np.int64)
@@ -121,6 +122,7 @@ def cupy():
     if available[0] == 0:
         pytest.skip("needs cupy and a CUDA device on every rank")
     import cupy as cp
+
     from mpi_gradreducer import select_device
 
     select_device(WORLD)

@@ -40,7 +40,7 @@ def test_async_and_readiness_match_the_blocking_call_bitwise(progress):
             handle = reducer.reduce_async(_grads(seed))
             got = handle.wait()
             assert handle.done()
-            for e, g in zip(expected, got):
+            for e, g in zip(expected, got, strict=True):
                 assert e.tobytes() == g.tobytes()
             # Readiness in a different order on every rank.
             grads = _grads(seed)
@@ -49,7 +49,7 @@ def test_async_and_readiness_match_the_blocking_call_bitwise(progress):
             for i in order:
                 step.ready(int(i))
             assert step.wait() is grads
-            for e, g in zip(expected, grads):
+            for e, g in zip(expected, grads, strict=True):
                 assert e.tobytes() == g.tobytes()
             assert_same_on_all_ranks(WORLD, grads)
 
@@ -95,7 +95,8 @@ def test_wait_before_ready_raises_on_every_rank_without_hanging(progress):
         for i in range(len(SHAPES)):
             if not (WORLD.Get_rank() == last and i in (2, 5)):
                 step.ready(i)
-        with pytest.raises(RuntimeError, match=rf"wait\(\) was called before ready\(\) for every gradient on rank {last} \(2\)"):
+        with pytest.raises(RuntimeError,
+                           match=rf"wait\(\) was called before ready\(\) for every gradient on rank {last} \(2\)"):
             step.wait()
         grads = reducer(_grads(2))  # still in step on every rank
         assert_same_on_all_ranks(WORLD, grads)
@@ -126,7 +127,9 @@ def test_interpreter_exits_cleanly_with_a_live_reducer(tmp_path):
         "print('exiting', flush=True)\n"
     )
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [mpiexec, "-n", "2", sys.executable, str(script)] if os.path.exists(mpiexec) else [sys.executable, str(script)]
+    cmd = [sys.executable, str(script)]
+    if os.path.exists(mpiexec):
+        cmd = [mpiexec, "-n", "2", *cmd]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("exiting") == (2 if len(cmd) > 2 else 1)

@@ -83,7 +83,8 @@ def test_positive_is_the_one_number_check():
 
 def test_parameters_are_described_by_shape_dtype_and_device():
     specs = config.param_specs(iter([np.zeros((2, 3), np.float32), np.zeros(4, np.complex64)]))  # any iterable
-    assert [(s.shape, s.dtype.name, s.device) for s in specs] == [((2, 3), "float32", "cpu"), ((4,), "complex64", "cpu")]
+    assert [(s.shape, s.dtype.name, s.device) for s in specs] == [((2, 3), "float32", "cpu"),
+                                                                  ((4,), "complex64", "cpu")]
     with pytest.raises(TypeError, match=r"parameters\[1\]: dtype int32 is not supported"):
         config.param_specs([np.zeros(2, np.float32), np.zeros(2, np.int32)])
     with pytest.raises(TypeError, match=r"parameters\[0\]: expected a numpy or cupy array, got str"):

@@ -35,7 +35,6 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -50,7 +49,7 @@ JOB_LIMIT = 60.0
 PROMPT = 20.0
 
 
-def _find_mpiexec() -> Optional[str]:
+def _find_mpiexec() -> str | None:
     beside = Path(sys.executable).parent / "mpiexec"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -89,7 +88,7 @@ class Job:
 
 
 def run_job(script: str, *args: str, runner: bool = True, limit: float = JOB_LIMIT,
-            env: Optional[dict[str, str]] = None) -> Job:
+            env: dict[str, str] | None = None) -> Job:
     """Run ``mpiexec -n 4 python [-m mpi4py] tests/jobs/<script> <args>`` to its end.
 
     Fails the test, after killing every process of the job, when it runs past

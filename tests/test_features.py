@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, rank_value
 from mpi_gradreducer import DistributedGradReducer, RowSparse
@@ -86,7 +85,7 @@ def test_compressed_reduction_matches_the_reference_within_wire_precision(name, 
             reducer(grads)
             factor = 1.0 / WORLD.Get_size() if mean else 1.0
             eps = 2.0 ** -10 if name == "fp16" else 2.0 ** -7
-            for g, x in zip(grads[:4], inputs):
+            for g, x in zip(grads[:4], inputs, strict=True):
                 ref = x.sum(axis=0) * factor
                 scale = np.abs(x).sum(axis=0) * factor + 1e-6
                 assert np.all(np.abs(g - ref) <= 4 * eps * scale), f"error beyond {name}'s precision"

@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import example, given
-from hypothesis import strategies as st
+from hypothesis import example, given, strategies as st
 from mpi4py import MPI
 
 from conftest import WORLD, agree_on_failures, everywhere, lockstep_settings

@@ -20,7 +20,6 @@ from conftest import WORLD, assert_same_on_all_ranks, everywhere, expected_mean,
 from mpi_gradreducer import DistributedGradReducer, interop
 
 
-
 def _has_torch() -> bool:
     try:
         import torch  # noqa: F401
@@ -170,7 +169,7 @@ def test_torch_grads_are_averaged_in_their_own_memory(torch):
             ptrs = [_data_ptr(g) for g in grads]
             objects = list(grads)
             out = reducer(grads)
-            assert out is grads and all(a is b for a, b in zip(out, objects))
+            assert out is grads and all(a is b for a, b in zip(out, objects, strict=True))
             assert [_data_ptr(g) for g in grads] == ptrs
             for g in grads:
                 np.testing.assert_allclose(g.double().numpy(), expected_mean(comm, k), rtol=1e-3)
@@ -194,7 +193,7 @@ def test_half_precision_tensors_match_numpy_bit_for_bit(torch, ml_dtypes, dtype)
     with DistributedGradReducer(arrays, group=comm) as reducer:
         reducer(arrays)
     assert [_data_ptr(t) for t in tensors] == ptrs
-    for t, a in zip(tensors, arrays):
+    for t, a in zip(tensors, arrays, strict=True):
         bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
         np.testing.assert_array_equal(bits, a.view(np.uint16))
 
@@ -215,7 +214,7 @@ def test_module_parameters_at_construction_and_their_grads(torch):
         total = [torch.from_numpy(np.ascontiguousarray(g.numpy())) for g in local]
         for t in total:
             comm.Allreduce(MPI.IN_PLACE, t.numpy())
-        for p, t in zip(model.parameters(), total):
+        for p, t in zip(model.parameters(), total, strict=True):
             np.testing.assert_allclose(p.grad.numpy(), t.numpy() / comm.Get_size(), rtol=1e-6, atol=1e-7)
 
 
@@ -225,13 +224,13 @@ def test_a_generator_of_grads_is_taken_and_the_callers_objects_returned(torch):
     grads = _torch_grads(torch, comm)
     with DistributedGradReducer(grads, group=comm) as reducer:
         out = reducer(g for g in grads)
-        assert isinstance(out, list) and all(a is b for a, b in zip(out, grads))
+        assert isinstance(out, list) and all(a is b for a, b in zip(out, grads, strict=True))
         np.testing.assert_allclose(grads[0].numpy(), expected_mean(comm, 1.0))
         step = reducer.begin(iter(grads))
         for i in reversed(range(len(grads))):
             step.ready(i)
         out = step.wait()
-        assert all(a is b for a, b in zip(out, grads))
+        assert all(a is b for a, b in zip(out, grads, strict=True))
         np.testing.assert_allclose(grads[0].numpy(), expected_mean(comm, 1.0))
 
 
@@ -296,7 +295,8 @@ def _snapshot(g):
 ERRORS = {
     "shape": (ValueError, r"grads\[0\]: expected shape \(3, 4\) .*got \(4, 3\) \(torch\.Tensor\)"),
     "dtype": (TypeError, r"grads\[0\]: expected dtype float32 .*got float64 \(torch\.Tensor\)"),
-    "requires_grad": (TypeError, r"grads\[2\]: expected a numpy or cupy array, got torch\.Tensor .*requires grad.*\.detach\(\)"),
+    "requires_grad": (TypeError,
+                      r"grads\[2\]: expected a numpy or cupy array, got torch\.Tensor .*requires grad.*\.detach\(\)"),
     "readonly": (ValueError, r"grads\[3\] \(.*InterfaceOnly\) is read-only"),
     "object": (TypeError, r"grads\[1\]: expected a numpy or cupy array, got str, which exposes none"),
     "overlap": (ValueError, r"grads\[0\] and grads\[2\] share memory"),
@@ -317,7 +317,7 @@ def test_bad_tensors_on_one_rank_raise_on_every_rank_untouched(torch, kind):
         with pytest.raises(cls, match=pattern) as info:
             reducer(grads)
         assert comm.Get_size() == 1 or str(info.value).startswith(f"rank {bad}: ")
-        for g, b in zip(grads, before):
+        for g, b in zip(grads, before, strict=True):
             np.testing.assert_array_equal(_snapshot(g), b)
         grads = _torch_grads(torch, comm, 2.0)  # still in step on every rank
         reducer(grads)

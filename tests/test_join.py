@@ -31,7 +31,7 @@ DTYPES = [np.float32, np.float32, np.float32, np.float64, np.float32, np.float32
 
 
 def _params() -> list[np.ndarray]:
-    return [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    return [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES, strict=True)]
 
 
 def _patterns(size: int) -> list[tuple[int, ...]]:
@@ -60,7 +60,7 @@ def _grads_for(c: int, views: list[np.ndarray] | None = None) -> list[np.ndarray
         for v in views:
             v[...] = value
         return views
-    return [np.full(s, value, d) for s, d in zip(SHAPES, DTYPES)]
+    return [np.full(s, value, d) for s, d in zip(SHAPES, DTYPES, strict=True)]
 
 
 def _check(grads, counts, c, degree=None) -> None:
@@ -227,7 +227,7 @@ def test_bad_input_on_a_contributing_rank_raises_everywhere_while_others_join():
             before = [g.copy() for g in grads]
             with pytest.raises(ValueError, match=r"rank 0: grads\[0\]: expected shape \(40, 30\)"):
                 reducer(grads)
-            for b, g in zip(before, grads):
+            for b, g in zip(before, grads, strict=True):
                 assert b.tobytes() == g.tobytes()
             reducer.join()
 

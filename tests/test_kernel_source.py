@@ -53,7 +53,8 @@ def _float32_samples() -> np.ndarray:
     denormals = np.arange(0, 1 << 23, 97, dtype=np.uint32)
     special = np.array([0x7F7FFFFF, 0x7F7F8000, 0xFF7F8000, 0x7F800000, 0xFF800000, 0x00800000,
                         0x007FFFFF, 0x80000001], np.uint32)
-    return np.concatenate([random_bits, base, near_half, denormals, denormals | np.uint32(1 << 31), special]).view(np.float32)
+    bits = [random_bits, base, near_half, denormals, denormals | np.uint32(1 << 31), special]
+    return np.concatenate(bits).view(np.float32)
 
 
 def test_f32_to_bf16_matches_ml_dtypes_round_to_nearest_even():

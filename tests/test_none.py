@@ -8,7 +8,8 @@ other entries are reduced in place as usual. Run at 4 and 3 ranks (and 1).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ DTYPES = [np.float32, np.float32, np.float32, np.float32, np.float64]
 
 
 def _reducer(**kwargs: Any) -> DistributedGradReducer:
-    params = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES)]
+    params = [np.zeros(s, d) for s, d in zip(SHAPES, DTYPES, strict=True)]
     return DistributedGradReducer(params, timeout=120, stall_warning=None, **kwargs)
 
 
@@ -33,7 +34,7 @@ def _grads(none_at: dict[int, Callable[[int], bool]], sparse: bool = False) -> l
     """Rank r writes r + 1; ``none_at[i](r)``: rank r passes None for parameter i."""
     r = WORLD.Get_rank()
     grads: list[Any] = []
-    for i, (s, d) in enumerate(zip(SHAPES, DTYPES)):
+    for i, (s, d) in enumerate(zip(SHAPES, DTYPES, strict=True)):
         if i in none_at and none_at[i](r):
             grads.append(None)
         elif sparse and i == 3:
@@ -154,7 +155,7 @@ def test_a_tuple_with_none_raises_on_every_rank():
         before = [None if g is None else g.copy() for g in grads]
         with pytest.raises(TypeError, match=r"grads\[1\].*must be a list"):
             reducer(grads)
-        for g, b in zip(grads, before):
+        for g, b in zip(grads, before, strict=True):
             assert (g is None) == (b is None) and (g is None or np.array_equal(g, b))
 
 
@@ -175,7 +176,8 @@ def test_none_among_torch_tensors(torch, pattern):
     """Host torch parameters: a None entry's average comes back as a numpy array; tensors in place."""
     none_at = PATTERNS[pattern]
     r = WORLD.Get_rank()
-    params = [torch.zeros(s, dtype=torch.float64 if d is np.float64 else torch.float32) for s, d in zip(SHAPES, DTYPES)]
+    params = [torch.zeros(s, dtype=torch.float64 if d is np.float64 else torch.float32)
+              for s, d in zip(SHAPES, DTYPES, strict=True)]
     with DistributedGradReducer(params, timeout=120, stall_warning=None) as reducer:
         grads = [None if i in none_at and none_at[i](r) else torch.full_like(p, r + 1.0) for i, p in enumerate(params)]
         kept = list(grads)

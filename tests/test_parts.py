@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import WORLD
 from mpi_gradreducer import RowSparse, config, control, paths
@@ -51,7 +50,8 @@ def _good() -> list[Any]:
     (lambda g: g.pop(), ValueError, r"^grads: expected 3 arrays .*got 2$"),
     (lambda g: g.__setitem__(1, np.ones((3, 2), np.float32)), ValueError,
      r"^grads\[1\]: expected shape \(2, 3\) \(as parameter 1\), got \(3, 2\)$"),
-    (lambda g: g.__setitem__(0, np.ones(3, np.float16)), TypeError, r"^grads\[0\]: expected dtype float32 .*got float16$"),
+    (lambda g: g.__setitem__(0, np.ones(3, np.float16)), TypeError,
+     r"^grads\[0\]: expected dtype float32 .*got float16$"),
     (lambda g: g[2].setflags(write=False), ValueError, r"^grads\[2\] is read-only"),
     (lambda g: g.__setitem__(1, g[2].reshape(-1)[:6].reshape(2, 3)), ValueError,
      r"^grads\[1\] and grads\[2\] share memory"),
@@ -117,7 +117,7 @@ def test_check_grads_views_torch_tensors_without_copies():
     tensors[1] = torch.ones(3, 2).t()  # a transposed view: strided, still viewed in place
     checked = check_grads(tensors, plan, True)
     assert checked.error is None and checked.arrays is not tensors
-    for t, a in zip(tensors, checked.arrays):
+    for t, a in zip(tensors, checked.arrays, strict=True):
         assert type(a) is np.ndarray and a.__array_interface__["data"][0] == t.data_ptr()
     storage = torch.zeros(40)
     overlapping = [storage[:3], storage[2:8].view(2, 3), torch.zeros(6, 2)]

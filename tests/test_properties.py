@@ -30,13 +30,12 @@ from __future__ import annotations
 import hashlib
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import numpy as np
 import pytest
-from hypothesis import event, example, given
-from hypothesis import strategies as st
+from hypothesis import event, example, given, strategies as st
 from mpi4py import MPI
 
 from conftest import WORLD, agree_on_failures, lockstep_settings
@@ -73,11 +72,11 @@ class Case:
     fusion: tuple
     bucket_bytes: int
     mean: bool
-    degree: Optional[int]
-    skip: Optional[tuple[bool, ...]]
+    degree: int | None
+    skip: tuple[bool, ...] | None
     group: str
     check_finite: bool
-    poison: Optional[tuple[int, int, int]]  # (world rank, parameter, element) set to inf on the first call
+    poison: tuple[int, int, int] | None  # (world rank, parameter, element) set to inf on the first call
     seed: int
 
 
@@ -246,17 +245,17 @@ def _reduce_and_compare(case: Case, comm: MPI.Intracomm) -> list[str]:
             around = [s[~m].tobytes() for s, m in storage]
             reducer(grads)
             expected, any_nonfinite = _reference(comm, before, skipped, scale)
-            for i, (g, b, e) in enumerate(zip(grads, before, expected)):
+            for i, (g, b, e) in enumerate(zip(grads, before, expected, strict=True)):
                 if e is None:
                     if g.tobytes() != b.tobytes():
                         failures.append(f"call {call}: skipped grads[{i}] was modified")
                 else:
                     failures += _value_failures(f"call {call}: grads[{i}]", g, e, exact=scale == 1.0)
-            if any(s[~m].tobytes() != a for (s, m), a in zip(storage, around)):
+            if any(s[~m].tobytes() != a for (s, m), a in zip(storage, around, strict=True)):
                 failures.append(f"call {call}: memory around the gradient views was modified")
             if case.check_finite and reducer.nonfinite != any_nonfinite:
                 failures.append(f"call {call}: nonfinite is {reducer.nonfinite}, expected {any_nonfinite}")
-            if not _same_bytes_in_group(comm, [g for g, s in zip(grads, skipped) if not s]):
+            if not _same_bytes_in_group(comm, [g for g, s in zip(grads, skipped, strict=True) if not s]):
                 failures.append(f"call {call}: the results differ between the ranks of the group")
     return failures
 
@@ -287,7 +286,7 @@ def _gradients(case: Case, order: list[int]) -> tuple[list[np.ndarray], list[tup
         mask = np.ones(s.shape, dtype=bool)
         mask[[0, -1]] = False
         offset = 1
-        for i, n in zip(members, sizes):
+        for i, n in zip(members, sizes, strict=True):
             grads[i] = s[offset: offset + n].reshape(case.params[i].shape)
             offset += n
         storage.append((s, mask))
@@ -322,14 +321,14 @@ def _fill(case: Case, grads: list[np.ndarray], call: int) -> None:
 
 def _reference(comm: MPI.Intracomm, inputs: list[np.ndarray], skipped, scale: float):
     """Each gradient's expected result (None when skipped), and whether any rank's input was non-finite."""
-    mine = [_c128(a).reshape(-1) for a, s in zip(inputs, skipped) if not s]
+    mine = [_c128(a).reshape(-1) for a, s in zip(inputs, skipped, strict=True) if not s]
     mine = np.concatenate(mine) if mine else np.zeros(0, np.complex128)
     gathered = np.empty((comm.Get_size(), mine.size), dtype=np.complex128)
     comm.Allgather(mine, gathered)
     with np.errstate(invalid="ignore"):  # inf * (scale + 0j) has a NaN part: non-finite either way
         total = gathered.sum(axis=0) * scale
     expected, offset = [], 0
-    for a, s in zip(inputs, skipped):
+    for a, s in zip(inputs, skipped, strict=True):
         if s:
             expected.append(None)
             continue

@@ -86,7 +86,8 @@ def test_fusion_ids_plan_and_values(comm):
     try:
         assert len(r_all.buckets) == 1 and sorted(r_all.buckets[0].indices) == list(range(50))
         assert len(r_none.buckets) == 50 and all(len(b.indices) == 1 for b in r_none.buckets)
-        assert sorted(sorted(b.indices) for b in r_split.buckets) == [list(range(21)), list(range(21, 36)), list(range(36, 50))]
+        assert sorted(sorted(b.indices) for b in r_split.buckets) == [list(range(21)), list(range(21, 36)),
+                                                                      list(range(36, 50))]
         groups = {b.fusion_id: sorted(b.indices) for b in r_list.buckets if b.fusion_id != 0}
         assert groups == {1: list(range(1, 50, 3)), 2: list(range(2, 50, 3))}
         assert sum(1 for b in r_list.buckets if b.fusion_id == 0) == len(range(0, 50, 3))

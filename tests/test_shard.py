@@ -125,16 +125,16 @@ def test_pieces_cover_every_element_exactly_once_across_ranks():
 @pytest.mark.parametrize("views", [False, True])
 def test_values_are_the_mean_and_grads_are_left_alone(views):
     with DistributedGradReducer(_params(), bucket_bytes=8 << 10) as reducer:
+        own = reducer.allocate_grads() if views else []
         for call in range(2):
             grads = _grads()
             if views:
-                own = reducer.allocate_grads() if call == 0 else own
-                for o, g in zip(own, grads):
+                for o, g in zip(own, grads, strict=True):
                     o[...] = g
                 grads = own
             before = [g.copy() for g in grads]
             shard = reducer.reduce_scatter(grads)
-            for b, g in zip(before, grads):
+            for b, g in zip(before, grads, strict=True):
                 assert b.tobytes() == g.tobytes()
             for p in shard:
                 assert p.grad.shape == (p.stop - p.start,) and p.grad.dtype == np.float64
@@ -213,7 +213,7 @@ def test_bad_grads_on_one_rank_raise_everywhere_before_anything_moves():
         with pytest.raises(ValueError, match=at(bad) + r"grads\[6\]: expected shape \(64, 64\) "
                                              r"\(as parameter 6\), got \(64, 63\)"):
             reducer.reduce_scatter(grads)
-        for b, g in zip(before, grads):
+        for b, g in zip(before, grads, strict=True):
             assert b.tobytes() == g.tobytes()
         grads = _grads()
         if rank == 0:
@@ -232,7 +232,7 @@ def test_bad_grads_on_one_rank_raise_everywhere_before_anything_moves():
             params = params[:-1]
         with pytest.raises(ValueError, match=at(0) + r"params: expected 8 arrays"):
             shard.allgather(params)
-        for b, p in zip(before, _params()):
+        for b, p in zip(before, _params(), strict=True):
             assert b.tobytes() == p.tobytes()
 
 
@@ -251,7 +251,8 @@ def test_mixing_reduce_scatter_and_a_plain_call_raises_on_every_rank():
 def test_reduce_scatter_with_joined_ranks_is_refused_on_every_rank():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     with DistributedGradReducer(_params(), bucket_bytes=8 << 10) as reducer:
-        pattern = r"reduce_scatter\(\) \(call 1\) while rank \d+ has joined: reduce_scatter with joined ranks is not supported"
+        pattern = (r"reduce_scatter\(\) \(call 1\) while rank \d+ has joined: "
+                   r"reduce_scatter with joined ranks is not supported")
         with pytest.raises(ValueError, match=pattern):
             reducer.join() if rank == size - 1 else reducer.reduce_scatter(_grads())
         # still usable: an ordinary epoch end
@@ -297,20 +298,22 @@ def test_sharded_sgd_with_momentum_equals_the_unsharded_one(views):
     plain = [p.copy() for p in init]
     sharded = [p.copy() for p in init]
     velocity_full = [np.zeros(s) for s in SHAPES]
-    with DistributedGradReducer(plain, bucket_bytes=8 << 10) as a, DistributedGradReducer(sharded, bucket_bytes=8 << 10) as b:
+    with DistributedGradReducer(plain, bucket_bytes=8 << 10) as a, \
+            DistributedGradReducer(sharded, bucket_bytes=8 << 10) as b:
         buffers = b.allocate_grads() if views else None
         state: dict[tuple[int, int], np.ndarray] = {}
+        def grad_of(params, step):  # a deterministic gradient that depends on the parameters, step and rank
+            return [np.array(np.sin(p) * (rank + 1) + 0.01 * step) for p in params]
+
         for step in range(5):
-            def grad_of(params):  # a deterministic gradient that depends on the parameters and the rank
-                return [np.array(np.sin(p) * (rank + 1) + 0.01 * step) for p in params]
-            g = a(grad_of(plain))
-            for p, v, gi in zip(plain, velocity_full, g):
+            g = a(grad_of(plain, step))
+            for p, v, gi in zip(plain, velocity_full, g, strict=True):
                 v *= mu
                 v += gi
                 p -= lr * v
-            gs = grad_of(sharded)
+            gs = grad_of(sharded, step)
             if views:
-                for o, x in zip(buffers, gs):
+                for o, x in zip(buffers, gs, strict=True):
                     o[...] = x
                 gs = buffers
             shard = b.reduce_scatter(gs)
@@ -321,7 +324,7 @@ def test_sharded_sgd_with_momentum_equals_the_unsharded_one(views):
                 sharded[piece.index].reshape(-1)[piece.start:piece.stop] -= lr * v
             shard.allgather(sharded)
         state_elements = sum(v.size for v in state.values())
-    for x, y in zip(plain, sharded):
+    for x, y in zip(plain, sharded, strict=True):
         np.testing.assert_allclose(x, y, rtol=0, atol=1e-9)
     total = np.array([state_elements], np.int64)
     WORLD.Allreduce(MPI.IN_PLACE, total)

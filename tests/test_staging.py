@@ -14,6 +14,7 @@ wrong sums and fails.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -98,11 +99,11 @@ def test_staged_buffers_are_packed_summed_scaled_and_unpacked_correctly(sizes):
         events.clear()
         members = _members(sizes, k0)
 
-        def pack(pos: int) -> None:
-            ops.launch(lambda: np.copyto(buffers[pos], members[pos]))
+        def pack(pos: int, members: list[np.ndarray] = members) -> None:
+            ops.launch(partial(np.copyto, buffers[pos], members[pos]))
 
-        def unpack(pos: int) -> None:
-            ops.launch(lambda: np.copyto(members[pos], buffers[pos]))
+        def unpack(pos: int, members: list[np.ndarray] = members) -> None:
+            ops.launch(partial(np.copyto, members[pos], buffers[pos]))
 
         pipeline.run(buffers, _allreduce_mean, pack, unpack)
         ops.synchronize()  # what the caller's next read of its arrays on the current stream does
@@ -138,7 +139,7 @@ def test_a_schedule_that_downloads_before_packing_is_caught():
     members = _members(sizes, 1.0)
     late: list[int] = []
     StagingPipeline(ops).run(buffers, _allreduce_mean, pack=late.append,  # packs not queued yet
-                             unpack=lambda pos: ops.launch(lambda: np.copyto(members[pos], buffers[pos])))
+                             unpack=lambda pos: ops.launch(partial(np.copyto, members[pos], buffers[pos])))
     for pos in late:
         ops.launch(lambda pos=pos: np.copyto(buffers[pos], members[pos]))
     ops.synchronize()
@@ -152,7 +153,7 @@ def test_staging_slots_grow_once_and_are_reused():
     pipeline.run(buffers, lambda pos, host: WORLD.Allreduce(MPI.IN_PLACE, host))
     slots = [s for s in pipeline._slots[np.dtype(np.float64)]]
     pipeline.run(buffers, lambda pos, host: WORLD.Allreduce(MPI.IN_PLACE, host))
-    assert all(a is b for a, b in zip(slots, pipeline._slots[np.dtype(np.float64)]))
+    assert all(a is b for a, b in zip(slots, pipeline._slots[np.dtype(np.float64)], strict=True))
 
 
 @pytest.mark.mpi
@@ -164,10 +165,10 @@ def test_direct_path_packs_all_then_synchronises_once_then_reduces_and_unpacks(s
     members = _members(sizes, 3.0)
 
     def pack(pos: int) -> None:
-        ops.launch(lambda: np.copyto(buffers[pos], members[pos]))
+        ops.launch(partial(np.copyto, buffers[pos], members[pos]))
 
     def unpack(pos: int) -> None:
-        ops.launch(lambda: np.copyto(members[pos], buffers[pos]))
+        ops.launch(partial(np.copyto, members[pos], buffers[pos]))
 
     # MPI reads the "device" buffers directly: only what ready_for_mpi() ran is there.
     reduce_direct(ops, buffers, _allreduce_mean, pack, unpack, trace=lambda e, k: events.append((e, k)))

@@ -43,7 +43,7 @@ HAVE_SKLEARN = importlib.util.find_spec("sklearn") is not None
 needs_sklearn = pytest.mark.skipif(not HAVE_SKLEARN, reason="needs scikit-learn (the examples extra)")
 
 
-def _synthetic(seed: int = 0, n: int = 600) -> "td.Data":
+def _synthetic(seed: int = 0, n: int = 600) -> td.Data:
     """Digits-shaped random data (64 features, 10 classes), for runs without scikit-learn."""
     rng = np.random.default_rng(seed)
     centers = rng.standard_normal((10, 64))
@@ -53,7 +53,7 @@ def _synthetic(seed: int = 0, n: int = 600) -> "td.Data":
 
 
 @pytest.fixture(scope="module")
-def digits() -> "td.Data":
+def digits() -> td.Data:
     """The demo's split, loaded once per module."""
     if not HAVE_SKLEARN:
         pytest.skip("needs scikit-learn (the examples extra)")
@@ -101,8 +101,8 @@ def test_the_tolerance_catches_a_wrong_split() -> None:
         wrong.step(x[first], data.y_train[first], len(batch))
         alone.step(x[batch], data.y_train[batch], len(batch))
     wrong.free()
-    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(alone.params, start))
-    off = max(float(np.max(np.abs(a - b))) for a, b in zip(wrong.params, alone.params))
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(alone.params, start, strict=True))
+    off = max(float(np.max(np.abs(a - b))) for a, b in zip(wrong.params, alone.params, strict=True))
     assert moved > 1e-2
     assert off > 1e3 * td.EQUIVALENCE_TOLERANCE
 
@@ -123,7 +123,7 @@ def test_loss_travels_with_the_gradients() -> None:
     assert loss == pytest.approx(expected, rel=1e-12)
 
 
-def test_training_on_digits_reaches_95_percent(digits: "td.Data") -> None:
+def test_training_on_digits_reaches_95_percent(digits: td.Data) -> None:
     data = digits
     result = td.train(WORLD, data, td.Settings(epochs=10))
     assert result.steps == 10 * (len(data.x_train) // 64)
@@ -180,7 +180,7 @@ def test_overlapped_steps_give_bitwise_the_same_parameters() -> None:
         finally:
             trainer.free()
         results.append([p.copy() for p in params])
-    for a, b in zip(*results):
+    for a, b in zip(*results, strict=True):
         assert a.tobytes() == b.tobytes()
 
 

@@ -63,7 +63,7 @@ def test_bad_grads_on_one_rank_raise_on_every_rank_untouched(kind, bad_rank):
         with pytest.raises(cls, match=pattern) as info:
             reducer(grads)
         assert f"rank {bad}" in str(info.value) or comm.Get_size() == 1
-        for g, b in zip(grads, before):
+        for g, b in zip(grads, before, strict=True):
             np.testing.assert_array_equal(np.asarray(g), b)
         # The reducer is still usable and in step on every rank.
         grads = _grads(comm)
@@ -124,19 +124,22 @@ def test_models_that_differ_raise_on_every_rank_naming_rank_and_parameter():
     last = WORLD.Get_size() - 1
     if WORLD.Get_rank() == last:
         params[1] = np.zeros((2, 2), np.float32)
-    with pytest.raises(ValueError, match=rf"parameter 1 is shape \(4,\) float32 .* at rank 0 but shape \(2, 2\) float32 .* at rank {last}"):
+    with pytest.raises(ValueError, match=rf"parameter 1 is shape \(4,\) float32 .* at rank 0 "
+                                         rf"but shape \(2, 2\) float32 .* at rank {last}"):
         DistributedGradReducer(params)
     params = _params()
     if WORLD.Get_rank() == last:
         params.append(np.zeros(1, np.float32))
-    with pytest.raises(ValueError, match=rf"the configuration is \(parameters=3, .* at rank 0 but \(parameters=4, .* at rank {last}"):
+    with pytest.raises(ValueError, match=rf"the configuration is \(parameters=3, .* at rank 0 "
+                                         rf"but \(parameters=4, .* at rank {last}"):
         DistributedGradReducer(params)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_options_that_differ_raise_on_every_rank():
     mean = WORLD.Get_rank() != 1
-    with pytest.raises(ValueError, match=r"the configuration is \(parameters=3, bucket_bytes=\d+, mean=1.* at rank 0 but .*mean=0.* at rank 1"):
+    with pytest.raises(ValueError, match=r"the configuration is \(parameters=3, bucket_bytes=\d+, mean=1.* at rank 0 "
+                                         r"but .*mean=0.* at rank 1"):
         DistributedGradReducer(_params(), mean=mean)
 
 
@@ -181,7 +184,7 @@ def test_a_bucket_view_listed_twice_is_caught():
 
 def test_arrays_over_foreign_buffers_are_accepted():
     raw = [bytearray(4 * 6), bytearray(4 * 4), bytearray(4 * 8)]
-    grads = [np.frombuffer(b, np.float32).reshape(s) for b, s in zip(raw, SHAPES)]
+    grads = [np.frombuffer(b, np.float32).reshape(s) for b, s in zip(raw, SHAPES, strict=True)]
     for g in grads:
         g[...] = rank_value(WORLD, 1.0)
     with DistributedGradReducer(_params()) as reducer:

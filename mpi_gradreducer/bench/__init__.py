@@ -3,7 +3,7 @@
 Run under MPI; only rank 0 prints::
 
     mpiexec -n 4 python -m mpi_gradreducer.bench [host] [OPTIONS]   # the host benchmark (the default)
-    mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients (also: -m mpi_gradreducer.bench_gpu)
+    mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients (or: -m mpi_gradreducer.bench_gpu)
     mpiexec -n 4 python -m mpi_gradreducer.bench compression [OPTIONS]
 
 Each subcommand's module is imported only when it runs. The parts they share:
@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from mpi4py import MPI
 

@@ -13,7 +13,8 @@ import os
 import sys
 import time
 import traceback
-from typing import IO, Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import IO, Any, NoReturn
 
 from mpi4py import MPI
 

@@ -26,7 +26,8 @@ import argparse
 import statistics
 import sys
 import zlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -124,7 +125,7 @@ class _Errors:
         low, high = mine.copy(), mine.copy()
         comm.Allreduce(MPI.IN_PLACE, low, op=MPI.MIN)
         comm.Allreduce(MPI.IN_PLACE, high, op=MPI.MAX)
-        differ = [m for m, lo, hi in zip(modes, low, high) if lo != hi]
+        differ = [m for m, lo, hi in zip(modes, low, high, strict=True) if lo != hi]
         if differ:
             raise RuntimeError(f"{', '.join(differ)}: the ranks' results differ")
 
@@ -189,7 +190,8 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
             med = statistics.median(times[mode])
             rows[mode] = {"median_ms": med * 1e3, "times_ms": [t * 1e3 for t in times[mode]], "speedup": base / med}
             if mode in errors.errors:
-                rows[mode]["errors"] = dict(zip(("max_abs", "rel_l2", "max_over_max"), errors.errors[mode]))
+                rows[mode]["errors"] = dict(zip(("max_abs", "rel_l2", "max_over_max"), errors.errors[mode],
+                                                strict=True))
         if comm.Get_rank() == 0:
             print(_table(comm, args, rows), flush=True)
             if args.json:

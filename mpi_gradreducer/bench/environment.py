@@ -13,7 +13,8 @@ import os
 import platform
 import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from mpi4py import MPI
 

@@ -56,8 +56,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -256,7 +257,7 @@ def _gpu_methods(comm: MPI.Intracomm, wl: Workload, aware: bool, aware_note: str
     import cupy
 
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    grads = [cupy.zeros(s, dtype=d) for s, d in zip(wl.shapes, wl.dtypes)]
+    grads = [cupy.zeros(s, dtype=d) for s, d in zip(wl.shapes, wl.dtypes, strict=True)]
     m = _Methods()
     try:
         built: dict[str, _CopyBound] = {}

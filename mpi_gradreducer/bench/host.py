@@ -17,8 +17,9 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
 
 ``limit``
     ``Allreduce(MPI.IN_PLACE, buf)`` over one preallocated contiguous float32
-    buffer of the same bytes (allocated as the reducer's: on huge pages from 1 MiB), in chunks of 256 KiB, 1, 4, 16 MiB or whole; the
-    fastest chunk size (by median) is the limit, and is reported.
+    buffer of the same bytes (allocated as the reducer's: on huge pages from
+    1 MiB), in chunks of 256 KiB, 1, 4, 16 MiB or whole; the fastest chunk
+    size (by median) is the limit, and is reported.
 ``per-tensor``
     One in-place Allreduce per gradient, each followed by a multiplication by
     ``1 / size``.
@@ -73,8 +74,9 @@ import argparse
 import importlib.util
 import statistics
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI

@@ -9,7 +9,8 @@ has whatever the memory system gives the fastest buffers.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["KIB", "MIB", "bytes_label", "noise_or", "one_line", "rank0_printer", "size_label", "write_json"]
 

@@ -181,7 +181,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
     def packed_run(buf: np.ndarray, views: list[np.ndarray], members: list[np.ndarray]) -> None:
         np.concatenate([g.reshape(-1) for g in members], out=buf)
         transport.allreduce(comm, buf, 1.0)
-        for v, g in zip(views, members):
+        for v, g in zip(views, members, strict=True):
             np.multiply(v, scale, out=g)
 
     def split(buf: np.ndarray, members: list[np.ndarray]) -> list[np.ndarray]:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI

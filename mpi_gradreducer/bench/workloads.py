@@ -5,9 +5,10 @@ Pure: shapes and dtypes only, no MPI and no arrays until :meth:`Workload.arrays`
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -54,7 +55,8 @@ class Workload:
     @property
     def nbytes(self) -> int:
         """Total bytes of the gradients."""
-        return int(sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for s, d in zip(self.shapes, self.dtypes)))
+        return int(sum(int(np.prod(s, dtype=np.int64)) * d.itemsize
+                       for s, d in zip(self.shapes, self.dtypes, strict=True)))
 
     def facts(self, ranks: int) -> dict[str, Any]:
         """What a results file records about the workload, run over ``ranks`` ranks."""
@@ -69,7 +71,7 @@ class Workload:
 
     def arrays(self) -> list[np.ndarray]:
         """One separately allocated, zero-filled numpy array per tensor."""
-        return [np.zeros(s, dtype=d) for s, d in zip(self.shapes, self.dtypes)]
+        return [np.zeros(s, dtype=d) for s, d in zip(self.shapes, self.dtypes, strict=True)]
 
 
 def _float32(name: str, shapes: list[tuple[int, ...]], note: str) -> Workload:
@@ -95,7 +97,7 @@ def resnet50(num_classes: int = 1000) -> Workload:
 
     conv_bn(64, 3, 7)
     cin = 64
-    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3)):
+    for width, blocks in zip((64, 128, 256, 512), (3, 4, 6, 3), strict=True):
         for b in range(blocks):
             conv_bn(width, cin, 1)
             conv_bn(width, width, 3)

@@ -69,7 +69,7 @@ def main() -> None:
                 outcome = f"{type(exc).__name__}: {exc}"
             else:
                 outcome = "no error"
-            unchanged = all(np.array_equal(g, c) for g, c in zip(grads, before))
+            unchanged = all(np.array_equal(g, c) for g, c in zip(grads, before, strict=True))
             say(f"rank {rank} | {kind} | unchanged={unchanged} | {outcome}")
         grads = good_grads(rank)
         reducer(grads)
