@@ -25,8 +25,13 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from types import TracebackType
 from collections.abc import Callable
+from types import TracebackType
+
+from mpi4py import MPI
+
+from .abort import abort_job
+from .config import ABORT_ON_EXCEPTION_ENV
 
 __all__ = ["UncaughtAbort", "UNCAUGHT"]
 
@@ -83,11 +88,6 @@ class UncaughtAbort:
             previous(exc_type, exc, tb)
         finally:
             if self._count > 0:
-                from mpi4py import MPI
-
-                from .config import ABORT_ON_EXCEPTION_ENV
-                from .watchdog import abort_job
-
                 try:
                     sys.stderr.flush()
                 except Exception:

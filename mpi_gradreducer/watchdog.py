@@ -10,7 +10,7 @@ times per second:
   doing, and prints one line naming the ranks that have not arrived
   (``missing ranks: 2``), then goes on waiting;
 - after ``timeout`` seconds it asks again, prints the diagnosis and ends the
-  job with :func:`abort_job`.
+  job with :func:`~mpi_gradreducer.abort.abort_job`.
 
 The thread also answers the other ranks' questions, so it runs for the whole
 life of the reducer, even with both limits disabled.
@@ -21,72 +21,26 @@ the job too (:mod:`mpi_gradreducer.excepthook`).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import NoReturn
 
 from mpi4py import MPI
 
+from .abort import abort_job
 from .excepthook import UNCAUGHT
 from .stall import Report, StallInspector, missing_ranks
 
-__all__ = ["Watchdog", "abort_job", "REPLY_WINDOW"]
+__all__ = ["Watchdog", "REPLY_WINDOW"]
 
 #: How long a waiting rank collects the other ranks' answers before it names the missing ones.
 REPLY_WINDOW = 3.0
 #: The longest pause between two looks of the watchdog thread (and so the
 #: longest delay before a rank answers a query).
 MAX_POLL = 0.25
-
-
-#: Seconds between the last words of a rank that aborts the job and the abort.
-ABORT_GRACE = 0.2
-
-
-def abort_job(code: int = 1) -> NoReturn:
-    """End every process of the job, without a crash report; never returns.
-
-    Flushes ``sys.stdout`` and ``sys.stderr`` and waits :data:`ABORT_GRACE`
-    seconds, so that the launcher has forwarded what was just written (a
-    traceback was seen cut after two lines under load without it), then calls
-    ``MPI_Abort`` on ``MPI.COMM_WORLD``, which asks the launcher to kill every rank. The MPI
-    library ends the calling process with ``exit()``, which would run C++
-    static destructors and ``atexit`` handlers (torch's, for instance) while
-    other threads are still inside MPI or those libraries: a segmentation
-    fault or heap corruption report in about half of the aborts. So before
-    the call, ``_exit`` is registered with ``on_exit`` (glibc): registered
-    last, it runs first and ends the process at once with the same status.
-
-    Args:
-        code: the exit status of the job.
-    """
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a closed or broken stream must not stop the abort
-            pass
-    time.sleep(ABORT_GRACE)
-    _exit_on_exit()
-    try:
-        MPI.COMM_WORLD.Abort(code)
-    finally:
-        os._exit(code)
-
-
-def _exit_on_exit() -> None:
-    """Make the process's ``exit()`` behave as ``_exit()`` (glibc's ``on_exit``; elsewhere nothing)."""
-    try:
-        libc = ctypes.CDLL(None)
-        on_exit, _exit = libc.on_exit, libc._exit
-    except (OSError, AttributeError):
-        return
-    on_exit.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    on_exit(ctypes.cast(_exit, ctypes.c_void_p), None)
 
 
 class Watchdog:
