@@ -55,9 +55,9 @@ def raise_if_any(
     message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
     if rank == failed:
         kind = next((k for k, cls in enumerate(_KINDS) if isinstance(error, cls)), len(_KINDS) - 1)
-        text = f"{error}".encode()[: _MESSAGE_BYTES - 1]
+        encoded = f"{error}".encode()[: _MESSAGE_BYTES - 1]
         message[0] = kind
-        message[1 : 1 + len(text)] = np.frombuffer(text, dtype=np.uint8)
+        message[1 : 1 + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
     if size > 1:
         comm.Bcast(message, root=failed)
     cls = _KINDS[int(message[0])]

@@ -50,8 +50,8 @@ def device_of(a: Any) -> str | None:
     return None
 
 
-def is_host(device: str) -> bool:
-    """True for arrays in host memory."""
+def is_host(device: str | None) -> bool:
+    """True for arrays in host memory (``device`` as :func:`device_of` gives it)."""
     return device == "cpu"
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from mpi4py import MPI
@@ -140,9 +140,11 @@ class Compression:
 
         Created on the first call and reused until :meth:`free`.
         """
-        if self._op is None:
-            object.__setattr__(self, "_op", MPI.Op.Create(self._sum, commute=True))
-        return self._op
+        op = self._op
+        if op is None:
+            op = MPI.Op.Create(self._sum, commute=True)
+            object.__setattr__(self, "_op", op)
+        return op
 
     def free(self) -> None:
         """Release the MPI op, if one was created (not collective)."""
@@ -158,6 +160,14 @@ class Compression:
         b = np.frombuffer(inoutbuf, dtype=self.wire_dtype)
         with np.errstate(over="ignore"):  # an overflow becomes inf, as a native sum would
             np.add(a, b, out=b, dtype=np.float32, casting="unsafe")
+
+
+@overload
+def get_compression(name: None) -> None: ...
+
+
+@overload
+def get_compression(name: str) -> Compression: ...
 
 
 def get_compression(name: str | None) -> Compression | None:

@@ -237,13 +237,16 @@ def agree(comm: MPI.Intracomm, parameters: Iterable[Any],
     Raises:
         ValueError, TypeError: on every rank, when any rank's arguments are bad or differ from rank 0's.
     """
-    error, specs, options = None, (), None
+    error: Exception | None = None
+    specs: tuple[ParamSpec, ...] = ()
+    options: Options | None = None
     try:
         specs = param_specs(parameters)
         options = resolve(specs, comm.Get_size(), **kwargs)
     except (ValueError, TypeError) as exc:
         error = exc
     agreement.raise_if_any(comm, error)
+    assert options is not None  # else some rank's error was raised on every rank
     agreement.check_same(comm, signature(options, specs), describe_row,
                          lambda i: f"parameter {i - 1}" if i else "the configuration")
     return specs, options
@@ -346,7 +349,7 @@ def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, .
     header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
               int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
               int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd)
-    rows = [header]
+    rows: list[tuple[int, ...]] = [header]
     for spec, fid, skip in zip(specs, options.ids, options.skip, strict=True):
         device_kind = 0 if backend.is_host(spec.device) else 1
         rows.append((dtype_code(spec.dtype), fid, int(skip), device_kind, len(spec.shape), *spec.shape))

@@ -113,7 +113,8 @@ class Summary(NamedTuple):
         contributors = v[1]
         agree = (contributors * v[9] == v[6] ** 2 and contributors * v[10] == v[7] ** 2
                  and contributors * v[11] == v[8] ** 2)  # digests in slots 6-8, their squares in 9-11
-        return cls(*v[:6], agree)  # failed, contributors, attention, views, asynchronous, sharded
+        return cls(v[0], v[1], v[2], v[3], v[4], v[5], agree)  # failed, contributors, attention, views,
+        #                                                     asynchronous, sharded
 
     def healthy(self, size: int) -> bool:
         """Every rank valid, contributing, starting the call the same way, with the same structure, no None."""

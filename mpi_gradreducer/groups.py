@@ -51,7 +51,10 @@ def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI
         error = exc
     agreement.raise_if_any(comm, error, checks=(digest(members),))
     new = comm.Create(comm.Get_group().Incl(members))
-    return None if new == MPI.COMM_NULL else new
+    if new == MPI.COMM_NULL:
+        return None
+    assert isinstance(new, MPI.Intracomm)  # as made from an intracommunicator (mpi4py's stubs say Comm)
+    return new
 
 
 def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intracomm | None = None) -> Sequence[Any]:

@@ -233,6 +233,7 @@ def _capsule_view(obj: Any) -> np.ndarray | None:
         capsule = obj.__dlpack__(max_version=(1, 0))
     except TypeError:  # a producer from before DLPack 1.0
         capsule = obj.__dlpack__()
+    managed: _DLManagedTensorVersioned | _DLManagedTensor
     if api.is_valid(capsule, _CAPSULE_V1):
         address = api.get_pointer(capsule, _CAPSULE_V1)
         managed = _DLManagedTensorVersioned.from_address(address)
@@ -275,6 +276,7 @@ class _Exported:
     """
 
     __slots__ = ("__array_interface__", "_address", "_deleter")
+    __array_interface__: dict[str, Any]
 
     def __init__(self, address: int, deleter: int | None) -> None:
         self._address = address

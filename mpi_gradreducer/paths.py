@@ -63,7 +63,8 @@ class Context:
         self._message: Any = None  # the carrier's first message: header, then its head
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
-        if carried and first.count <= self.head_count():  # a small first bucket is packed behind the header
+        # a small first bucket is packed behind the header
+        if carried and first is not None and first.count <= self.head_count():
             self._first_message()
             plan.buffers[0].allocate(self._body)  # (until allocate_grads gives it another buffer)
 
@@ -356,12 +357,14 @@ class DevicePath:
             buffers.append(run if run is not None else f.allocate())
 
         def pack(pos: int) -> None:
-            if members[pos] is not None:
-                launches[0] += ctx.plan.buffers[ks[pos]].pack(members[pos])
+            m = members[pos]
+            if m is not None:
+                launches[0] += ctx.plan.buffers[ks[pos]].pack(m)
 
         def unpack(pos: int) -> None:
-            if members[pos] is not None:
-                launches[0] += ctx.plan.buffers[ks[pos]].unpack(members[pos])
+            m = members[pos]
+            if m is not None:
+                launches[0] += ctx.plan.buffers[ks[pos]].unpack(m)
 
         def reduce(pos: int, buf: Any) -> None:
             ctx.allreduce(ks[pos], buf, call)

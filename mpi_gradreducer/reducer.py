@@ -146,7 +146,9 @@ class DistributedGradReducer:
         self._local = MPI.COMM_SELF.Dup()  # the buckets' local copies (transport.Gather)
         if options.bucket_bytes is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
-        self._build_plan(self._tuner.current() if self._tuner is not None else options.bucket_bytes)
+            self._build_plan(self._tuner.current())
+        else:
+            self._build_plan(options.bucket_bytes)
         #: With ``check_finite``: whether the last call's results held NaN or Inf (on any rank).
         self.nonfinite = False
         #: How many ranks contributed to the last call (the same on every rank; see ``join``).
@@ -372,7 +374,9 @@ class DistributedGradReducer:
             call.head = "ahead"
         elif grads is None or asynchronous or sharded or call.local.error is not None:
             self._ctx.first_message(call)  # the header with zeros: the same message as the others send
-            call.head = "ahead" if call.info.asynchronous or call.info.sharded else "sent"
+            info = call.info
+            assert info is not None  # the first message settled the call
+            call.head = "ahead" if info.asynchronous or info.sharded else "sent"
         self.nonfinite = False
         return call
 

@@ -275,11 +275,12 @@ class Sharder:
             b = f.bucket
             members = [arrays[i] for i in b.indices]
             host = backend.is_host(b.device)
-            whole = backend.flat_view(members[0]) if host and len(members) == 1 else None
+            whole: np.ndarray | None = backend.flat_view(members[0]) if host and len(members) == 1 else None
             if whole is None:
-                whole = self._gathered[k]
-                if whole is None:
-                    whole = self._gathered[k] = np.empty(b.count, b.dtype)
+                gathered = self._gathered[k]
+                if gathered is None:
+                    gathered = self._gathered[k] = np.empty(b.count, b.dtype)
+                whole = gathered
                 for s, o in self._own[k]:  # this rank's pieces, where the others expect them
                     part = arrays[s.index].reshape(-1)[s.start: s.stop]
                     whole[o + s.start: o + s.stop] = part if host else backend.to_numpy(part)

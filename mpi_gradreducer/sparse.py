@@ -50,6 +50,7 @@ class RowSparse:
     def __init__(self, indices: Any, values: Any, dense_shape: Sequence[int], *, validate: bool = True) -> None:
         self.indices = indices
         self.values = values
+        shape: Sequence[int]
         try:
             shape = tuple(dense_shape)
             if all(isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) for d in shape):
@@ -226,7 +227,7 @@ def allgather_rowsparse(
     send_idx = np.ascontiguousarray(rs.indices, dtype=np.int64)
     comm.Allgatherv(send_idx, [indices, (counts, displs)])
 
-    values = np.empty((total,) + row_shape, dtype=rs.values.dtype)
+    values = np.empty((total, *row_shape), dtype=rs.values.dtype)
     send_val = _send_values(rs.values, scale)
     row_bytes = int(np.prod(row_shape, dtype=np.int64)) * rs.values.dtype.itemsize
     if row_bytes:

@@ -106,7 +106,7 @@ class Timeline:
         try:
             hosts = processor_names(comm)
             offset = _clock_offset(comm, hosts, _SYNC_ROUNDS)
-            mine = {
+            mine: dict[str, Any] = {
                 "offset_us": offset * 1e6,
                 "events": [[name, (start - offset) * 1e6, (end - start) * 1e6, args]
                            for name, start, end, args in self._events],

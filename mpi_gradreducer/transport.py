@@ -201,9 +201,10 @@ def _loaded_mpi_libraries() -> list[ctypes.CDLL]:
     except OSError:
         pass
     libs = []
-    for path in paths or [None]:
+    candidates: list[str | None] = [*paths] if paths else [None]  # None: the process's own symbols
+    for candidate in candidates:
         try:
-            libs.append(ctypes.CDLL(path))
+            libs.append(ctypes.CDLL(candidate))
         except OSError:
             continue
     return libs

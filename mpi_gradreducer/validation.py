@@ -106,7 +106,7 @@ def _check(grads: Any, plan: FusionPlan, aliasing: bool) -> Checked:
                 else:
                     v = g if type(g) is np.ndarray else _host_array(interop.view(g, spec.device))
                     if v is not g and v is not None:
-                        if arrays is grads:
+                        if arrays is grads or not isinstance(arrays, list):
                             arrays = list(grads)
                         arrays[i] = v
                         if _fits(v, spec) and not _copied(v):
@@ -312,6 +312,7 @@ def _overlap_error(grads: Sequence[Any], indices: Sequence[int]) -> Exception | 
 def _bounds(a: Any) -> tuple[int, int]:
     """``backend.byte_bounds``, three times faster for contiguous writeable host arrays of numpy's own dtypes."""
     if type(a) is np.ndarray and a.flags.c_contiguous and a.flags.writeable and a.size and a.dtype.isbuiltin == 1:
-        lo = ctypes.addressof(ctypes.c_char.from_buffer(a))
+        # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12
+        lo = ctypes.addressof(ctypes.c_char.from_buffer(a))  # type: ignore[arg-type]
         return lo, lo + a.nbytes
     return backend.byte_bounds(a)

@@ -14,9 +14,12 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import IO, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from mpi4py import MPI
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 from .output import one_line, rank0_printer
 
@@ -39,12 +42,12 @@ class RankParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.rank = rank
 
-    def print_help(self, file: IO[str] | None = None) -> None:
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
         """Print the help (rank 0 only)."""
         if self.rank == 0:
             super().print_help(file)
 
-    def print_usage(self, file: IO[str] | None = None) -> None:
+    def print_usage(self, file: SupportsWrite[str] | None = None) -> None:
         """Print the usage line (rank 0 only)."""
         if self.rank == 0:
             super().print_usage(file)
@@ -87,6 +90,7 @@ def parse(parser: argparse.ArgumentParser, argv: Sequence[str], comm: MPI.Comm,
     status = comm.allreduce(status, op=MPI.MAX)
     if status != _GO_ON:
         raise SystemExit(status)
+    assert args is not None  # parsed: no rank ended
     return args
 
 

@@ -67,7 +67,7 @@ def _check(args: argparse.Namespace) -> str | None:
 
 
 def _runner(mode: str, comm: MPI.Comm, grad: np.ndarray, comps: dict[str, Compression],
-            chunk_bytes: int) -> Callable[[], None]:
+            chunk_bytes: int) -> Callable[[], object]:
     size = comm.Get_size()
     if mode == "none":
         return lambda: transport.allreduce(comm, grad, 1.0 / size, chunk_bytes)
@@ -113,7 +113,7 @@ class _Errors:
             diff = self.grad - self.ref  # the same on every rank: measured locally
             max_abs = float(np.abs(diff).max())
             self.errors[mode] = (max_abs, float(np.linalg.norm(diff)) / self.ref_norm, max_abs / self.ref_max)
-            self.crcs[mode] = zlib.crc32(self.grad)
+            self.crcs[mode] = zlib.crc32(self.grad.data)
             return True
 
         return record
@@ -130,7 +130,7 @@ class _Errors:
             raise RuntimeError(f"{', '.join(differ)}: the ranks' results differ")
 
 
-def _measure(comm: MPI.Comm, args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, list[float]], _Errors]:
+def _measure(comm: MPI.Intracomm, args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, list[float]], _Errors]:
     size, rank = comm.Get_size(), comm.Get_rank()
     x = np.random.default_rng([args.seed, rank]).standard_normal(args.elements, dtype=np.float32)
     grad = np.empty_like(x)

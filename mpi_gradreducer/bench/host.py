@@ -76,6 +76,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -172,19 +173,20 @@ def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params
 def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
     """The numpy reducer methods."""
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    for name, kwargs in (("reducer", {}), ("reducer-novalidate", {"validate": "never"})):
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (("reducer", {}), ("reducer-novalidate", {"validate": "never"}))
+    for name, kwargs in variants:
         if name in methods:
             r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
-            m.cases.append(Case(name, filler(grads, value), lambda r=r: r(grads), lambda: all_close(grads, mean)))
+            m.cases.append(Case(name, filler(grads, value), partial(r, grads), lambda: all_close(grads, mean)))
     if "reducer-views" in methods:
         r = m.reducers["reducer-views"] = DistributedGradReducer(grads, group=comm)
         views = r.allocate_grads()
-        m.cases.append(Case("reducer-views", filler(views, value), lambda r=r, v=views: r(v),
-                            lambda v=views: all_close(v, mean)))
+        m.cases.append(Case("reducer-views", filler(views, value), partial(r, views),
+                            partial(all_close, views, mean)))
     if "reducer-shard" in methods:
         r = m.reducers["reducer-shard"] = DistributedGradReducer(grads, group=comm)
         params = [np.empty_like(g) for g in grads]
-        m.cases.append(Case("reducer-shard", filler(grads, value), lambda r=r: _shard_step(r, grads, params),
+        m.cases.append(Case("reducer-shard", filler(grads, value), partial(_shard_step, r, grads, params),
                             lambda: all_close(params, mean)))
 
 
@@ -484,7 +486,8 @@ def _run_extras(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[[st
         results["sweeps"] = run_sweeps(comm, args.sweep, many, args.reps, args.warmup)
         say(format_sweeps(results["sweeps"]) + "\n")
     if args.overlap is not None:
-        results["overlap"] = bench_overlap(comm, *args.overlap, args.reps, args.warmup)
+        layers, width, batch = args.overlap
+        results["overlap"] = bench_overlap(comm, layers, width, batch, args.reps, args.warmup)
         say(format_overlap(results["overlap"]) + "\n")
     if args.plot:
         results["allreduce_curve"] = allreduce_curve(comm, args.reps, args.warmup)

@@ -10,6 +10,7 @@ has whatever the memory system gives the fastest buffers.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -53,7 +54,7 @@ def limit_cases(comm: MPI.Comm, nbytes: int, chunks: Sequence[int], prefix: str 
         name = f"{prefix}@{size_label(chunk)}"
         sizes[name] = chunk
         cases.append(Case(name, filler([buf], value),
-                          lambda e=elems: chunked_allreduce(comm, buf, e),
+                          partial(chunked_allreduce, comm, buf, elems),
                           lambda: all_close([buf], total)))
     return cases, sizes
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import statistics
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -68,13 +69,13 @@ def sweep_buckets(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> 
             plans[plan] = cap
             reducers.append(r)
             counts[cap] = len(r.buckets)
-            cases.append(Case(f"reducer@{size_label(cap)}", filler(grads, value), lambda r=r: r(grads),
+            cases.append(Case(f"reducer@{size_label(cap)}", filler(grads, value), partial(r, grads),
                               lambda: all_close(grads, mean)))
             rv = DistributedGradReducer(grads, group=comm, bucket_bytes=cap)
             reducers.append(rv)
             views = rv.allocate_grads()
             cases.append(Case(f"views@{size_label(cap)}", filler(views, value),
-                              lambda rv=rv, views=views: rv(views), lambda views=views: all_close(views, mean)))
+                              partial(rv, views), partial(all_close, views, mean)))
         times = time_cases(comm, cases, reps, warmup)
     finally:
         for r in reducers:
@@ -116,8 +117,7 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
     for c in SWEEP_CHUNKS:
         for kind, scale in (("mean", 1.0 / size), ("sum", 1.0)):
             cases.append(Case(f"{kind}@{size_label(c)}", filler(flats, value),
-                              lambda c=c, s=scale: run(c, s),
-                              lambda s=scale: all_close(flats, total * s)))
+                              partial(run, c, scale), partial(all_close, flats, total * scale)))
     times = time_cases(comm, cases, reps, warmup)
     nbytes = sum(f.nbytes for f in flats)
     rows = []
@@ -151,8 +151,13 @@ def sweep_pages(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> di
     small = np.frombuffer(memory, np.float32, count)
     step = MIB // 4
     layouts = {"tensors": flats, "huge pages": [huge], "small pages": [small]}
-    cases = [Case(name, filler(arrays, value), lambda a=arrays: [chunked_allreduce(comm, x, step) for x in a],
-                  lambda a=arrays: all_close(a, total)) for name, arrays in layouts.items()]
+
+    def reduce_each(arrays: list[np.ndarray]) -> None:
+        for x in arrays:
+            chunked_allreduce(comm, x, step)
+
+    cases = [Case(name, filler(arrays, value), partial(reduce_each, arrays), partial(all_close, arrays, total))
+             for name, arrays in layouts.items()]
     times = time_cases(comm, cases, reps, warmup)
     rows = []
     for name in layouts:
@@ -198,8 +203,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
         buf = np.zeros(sum(g.size for g in members), np.float32)
         views = split(buf, members)
         cases.append(Case(f"packed@{size_label(nbytes)}", filler(members, value),
-                          lambda b=buf, v=views, m=members: packed_run(b, v, m),
-                          lambda m=members: all_close(m, mean)))
+                          partial(packed_run, buf, views, members), partial(all_close, members, mean)))
         base2 = [np.zeros(1024, np.float32) for _ in range(base_count)]
         tensor2 = np.zeros(nbytes // 4, np.float32)
         buf2 = np.zeros(sum(g.size for g in base2), np.float32)
@@ -211,7 +215,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
             transport.allreduce(comm, t, scale)
 
         cases.append(Case(f"alone@{size_label(nbytes)}", filler(base2 + [tensor2], value), alone,
-                          lambda m=base2 + [tensor2]: all_close(m, mean)))
+                          partial(all_close, base2 + [tensor2], mean)))
     times = time_cases(comm, cases, reps, warmup)
     rows = []
     for nbytes in SWEEP_DIRECT:
@@ -245,8 +249,7 @@ def allreduce_curve(comm: MPI.Intracomm, reps: int, warmup: int) -> list[dict[st
             for p in parts:
                 comm.Allreduce(MPI.IN_PLACE, p)
 
-        cases.append(Case(size_label(nbytes), lambda u=used: u.fill(value), run,
-                          lambda u=used: all_close([u], total)))
+        cases.append(Case(size_label(nbytes), partial(used.fill, value), run, partial(all_close, [used], total)))
     times = time_cases(comm, cases, reps, warmup)
     rows = []
     for nbytes in CURVE_SIZES:

@@ -182,7 +182,7 @@ def mixed() -> Workload:
     shapes: list[tuple[int, ...]] = [(4096, d)]
     dtypes: list[np.dtype] = [_F32]
     for _ in range(8):
-        block = [
+        block: list[tuple[tuple[int, ...], np.dtype]] = [
             ((d,), _F32), ((d,), _F32),
             ((3 * d, d), f16), ((3 * d,), f16), ((d, d), f16), ((d,), f16),
             ((d,), _F32), ((d,), _F32),
