@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with only Python 3 and pip:
-# installs the package with MPICH from PyPI into .venv, then runs the
-# collective tests under mpiexec with 4 and 3 ranks, then everything in one
-# process (unit tests, size-1 runs, and the tests that launch whole MPI jobs).
+# installs the package with MPICH from PyPI into .venv, checks the code with
+# ruff and mypy (configured in pyproject.toml), then runs the collective
+# tests under mpiexec with 4 and 3 ranks, then everything in one process
+# (unit tests, size-1 runs, and the tests that launch whole MPI jobs).
 # Every run has a hard time limit: a hang fails the suite instead of stalling it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,9 @@ venv=${MPI_GRADREDUCER_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test]"
 export PATH="$PWD/$venv/bin:$PATH"
+echo "== ruff check, mypy"
+timeout --kill-after=10 300 ruff check --no-cache .
+timeout --kill-after=10 300 mypy
 pytest=(python -m pytest -q -p no:cacheprovider tests)
 for n in 4 3; do
   echo "== mpiexec -n $n: collective tests"
