@@ -217,7 +217,7 @@ class LowRankPath:
                     raise ValueError(f"load_state_dict: state['error'][{i}]: not zero, but this reducer's "
                                      "PowerSGD has error_feedback=False")
                 if key == "q":
-                    crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8), crc)
+                    crc = zlib.crc32(np.ascontiguousarray(a).view(np.uint8).data, crc)
         return int(it), crc
 
     @staticmethod
@@ -276,7 +276,7 @@ class LowRankPath:
         self._sum(g, g.flat[:offset], call, call.scale, "uncompressed")
         t2 = time.perf_counter()
         if contributing:
-            for i, view in zip(members, views):
+            for i, view in zip(members, views, strict=True):
                 scaled_copy(view, call.grads[i])
                 self._check(call, i, g)
         self._record(call, offset * g.dtype.itemsize, t0, t1 - t0, t2 - t1, time.perf_counter() - t2)

@@ -75,7 +75,8 @@ class Recorder:
         before = self.reducer.state_dict()
         inputs = [np.array(g, copy=True) for g in grads]
         self.reducer(grads)
-        self.calls[before["iteration"]] = dict(before=before, inputs=inputs, outputs=[np.array(g, copy=True) for g in grads],
+        outputs = [np.array(g, copy=True) for g in grads]
+        self.calls[before["iteration"]] = dict(before=before, inputs=inputs, outputs=outputs,
                                                 after=self.reducer.state_dict())
         return grads
 
@@ -299,7 +300,7 @@ def test_begin_and_reduce_async_match_the_blocking_call_bitwise():
                 step.wait()
             else:
                 overlapped.reduce_async(b).wait()
-            assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b))
+            assert all(x.tobytes() == y.tobytes() for x, y in zip(a, b, strict=True))
         s, t = blocking.state_dict(), overlapped.state_dict()
         assert all(s[p][i].tobytes() == t[p][i].tobytes() for p in ("q", "error") for i in s[p])
 
@@ -344,7 +345,7 @@ def test_a_bad_gradient_on_one_rank_raises_everywhere_before_anything_changes():
         kept = [g.copy() for g in grads]
         with pytest.raises(ValueError, match=rf"{_who(bad)}grads\[1\]: expected shape \(18,\)"):
             reducer(grads)
-        assert all(np.array_equal(g, k) for g, k in zip(grads, kept))
+        assert all(np.array_equal(g, k) for g, k in zip(grads, kept, strict=True))
         after = reducer.state_dict()
         assert after["iteration"] == before["iteration"]
         assert all(np.array_equal(after[p][i], before[p][i]) for p in ("q", "error") for i in before[p])
@@ -393,7 +394,7 @@ def test_reduce_scatter_is_refused_on_every_rank():
         kept = [g.copy() for g in grads]
         with pytest.raises(ValueError, match=r"reduce_scatter: not supported with compression=PowerSGD"):
             reducer.reduce_scatter(grads)
-        assert all(np.array_equal(g, k) for g, k in zip(grads, kept))
+        assert all(np.array_equal(g, k) for g, k in zip(grads, kept, strict=True))
         reducer(grads)  # still usable
 
 
@@ -515,6 +516,6 @@ def test_gradients_of_lower_rank_than_powersgd_come_back_exactly():
         for _ in range(3):
             grads = [np.outer(rng.standard_normal(p.shape[0]), rng.standard_normal(p.size // p.shape[0]))
                      .reshape(p.shape).astype(dtype) for p in params]
-            total = [sum(parts) for parts in zip(*WORLD.allgather([g.astype(np.float64) for g in grads]))]
+            total = [sum(parts) for parts in zip(*WORLD.allgather([g.astype(np.float64) for g in grads]), strict=True)]
             reducer(grads)
-            assert all(_close(g, t / size, 1e-4) for g, t in zip(grads, total))
+            assert all(_close(g, t / size, 1e-4) for g, t in zip(grads, total, strict=True))

@@ -84,13 +84,13 @@ from mpi4py import MPI
 
 from .. import DistributedGradReducer
 from ..backend import empty
+from . import powersgd
 from .cli import RankParser, add_shared_options, run_as_script, start
 from .counters import reducer_stats
 from .environment import environment, loadavg
 from .limit import best_limit, limit_cases
 from .output import KIB, MIB, bytes_label, noise_or, size_label, write_json
 from .overlap import bench_overlap, format_overlap
-from . import powersgd
 from .sweeps import SWEEPS, allreduce_curve, format_sweeps, run_sweeps
 from .timing import Case, agree, all_close, expected_sum, fill_value, filler, keep_working, summary, time_cases
 from .torch_methods import Gloo, gloo_usable, torch_ingestion

@@ -72,7 +72,7 @@ def add_cases(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[st
         sources = [rng.standard_normal(v.shape).astype(v.dtype) for v in views]
 
         def fill() -> None:
-            for v, src in zip(views, sources):
+            for v, src in zip(views, sources, strict=True):
                 np.copyto(v, src)
 
         for _ in range(2):  # torch compresses from its third call on (start_powerSGD_iter=2)
@@ -147,7 +147,8 @@ class TorchPowerSGD:
         different orders on different ranks.)
         """
         for b in self._buckets:
-            out = self._hook(self.state, b).wait()
+            # a stand-in with the GradBucket methods the hook calls (torch gives GradBucket no constructor)
+            out = self._hook(self.state, b).wait()  # type: ignore[arg-type]
             if out.data_ptr() != b.buffer().data_ptr():
                 b.buffer().copy_(out)
         self.calls += 1
@@ -204,7 +205,8 @@ def format_lines(res: dict[str, Any]) -> list[str]:
         lines.append(f"  bytes per call (stats.bytes): reducer {u}, reducer-powersgd {p} "
                      f"(1/{u / max(p, 1):.0f}), rank {res['powersgd_rank']}")
     if "torch-powersgd" in res.get("powersgd_peer_bytes", {}):
-        lines.append(f"  bytes per call, torch-powersgd (its own counts): {res['powersgd_peer_bytes']['torch-powersgd']}")
+        peer = res["powersgd_peer_bytes"]["torch-powersgd"]
+        lines.append(f"  bytes per call, torch-powersgd (its own counts): {peer}")
     if "reducer-powersgd" in methods and "torch-powersgd" in methods:
         ratio = methods["reducer-powersgd"]["median_ms"] / methods["torch-powersgd"]["median_ms"]
         lines.append(f"  reducer-powersgd / torch-powersgd = {ratio:.2f} (same shapes, rank and ranks)")
