@@ -74,8 +74,10 @@ class _Group:
         po = qo = 0
         for i in self.indices:
             n, m = self.shapes[i]
-            self.p_views[i] = self.p[po : po + n * rank].reshape(n, rank)
-            self.q_views[i] = self.q[qo : qo + m * rank].reshape(m, rank)
+            # P and Q are kept transposed (rank x n, rank x m): BLAS forms M Q as (Q^T M^T) and M^T P
+            # as (P^T M) several times faster than in the other orientation (the rows of M are long).
+            self.p_views[i] = self.p[po : po + n * rank].reshape(rank, n)
+            self.q_views[i] = self.q[qo : qo + m * rank].reshape(rank, m)
             po, qo = po + n * rank, qo + m * rank
         self.work = backend.empty(max(n * m for n, m in self.shapes.values()), self.dtype, self.device)
         self.flat: Any = None  # the uncompressed calls' buffer (before start_iter), made when needed
@@ -90,7 +92,7 @@ class _Group:
         """``P Q^T`` of parameter ``i`` (after step 4), in the workspace."""
         n, m = self.shapes[i]
         a = self.work[: n * m].reshape(n, m)
-        self.xp.matmul(self.p_views[i], self.q_views[i].T, out=a)
+        self.xp.matmul(self.p_views[i].T, self.q_views[i], out=a)
         return a
 
 
@@ -125,16 +127,15 @@ class LowRankPath:
         for i in self.indices:
             keyed.setdefault((specs[i].device, compute_dtype(specs[i].dtype).str), []).append(i)
         self.groups = [_Group(members, specs, self.config.rank) for members in keyed.values()]
-        self._group_of = {i: g for g in self.groups for i in g.indices}
-        #: The Q the next compressed call uses, per parameter (``m x rank``, on the parameter's device).
+        #: The Q the next compressed call uses, per parameter, transposed (``rank x m``, on the parameter's device).
         self.q: dict[int, Any] = {}
         #: This rank's error per parameter, shaped like the parameter (with error feedback only).
         self.error: dict[int, Any] = {}
         for g in self.groups:
             for i in g.indices:
                 n, m = g.shapes[i]
-                self.q[i] = backend.empty(m * self.config.rank, g.dtype, g.device).reshape(m, self.config.rank)
-                self._set(self.q[i], draw_q(self.config.seed, i, self.config.start_iter, m, self.config.rank))
+                self.q[i] = backend.empty(m * self.config.rank, g.dtype, g.device).reshape(self.config.rank, m)
+                self._set(self.q[i], draw_q(self.config.seed, i, self.config.start_iter, m, self.config.rank).T)
                 if self.config.error_feedback:
                     e = backend.empty(n * m, g.dtype, g.device).reshape(self.specs[i].shape)
                     e[...] = 0
@@ -145,7 +146,7 @@ class LowRankPath:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"iteration": int, "q": {i: (m, rank)}, "error": {i: shaped like parameter i}}``: host copies."""
-        q = {i: self._host_copy(self.q[i]) for i in self.indices}
+        q = {i: np.ascontiguousarray(self._host_copy(self.q[i]).T) for i in self.indices}
         error = {}
         for i in self.indices:
             if i in self.error:
@@ -180,7 +181,7 @@ class LowRankPath:
                                  "the same on every rank (load states saved by the same call)")
         self.iteration = int(state["iteration"])
         for i in self.indices:
-            self._set(self.q[i], np.asarray(state["q"][i]))
+            self._set(self.q[i], np.asarray(state["q"][i]).T)
             if i in self.error:
                 self._set(self.error[i], np.asarray(state["error"][i]))
 
@@ -303,14 +304,14 @@ class LowRankPath:
             m = matrices[i] = self._matrix(i, call.grads[i], g.dtype)
             if feedback:
                 m += self.error[i].reshape(m.shape)
-            xp.matmul(m, self.q[i], out=g.p_views[i])
+            xp.matmul(self.q[i], m.T, out=g.p_views[i])  # P^T = Q^T M^T
         t1 = time.perf_counter()
         self._sum(g, g.p, call, 1.0, "P")
         t2 = time.perf_counter()
         for i in g.indices:  # 3-4: orthonormal P, Q = M^T P
             if i in matrices:
-                orthonormalise(g.p_views[i])
-                xp.matmul(matrices[i].T, g.p_views[i], out=g.q_views[i])
+                orthonormalise(g.p_views[i].T)  # P's columns: the rows of P^T
+                xp.matmul(g.p_views[i], matrices[i], out=g.q_views[i])  # Q^T = P^T M
             else:
                 g.q_views[i][...] = 0
         t3 = time.perf_counter()
@@ -350,15 +351,15 @@ class LowRankPath:
         upcoming = self.iteration + 1
         m = g.shapes[i][1]
         if not config.warm_start:
-            self._set(self.q[i], draw_q(config.seed, i, upcoming, m, config.rank))
+            self._set(self.q[i], draw_q(config.seed, i, upcoming, m, config.rank).T)
             return
         self.q[i][...] = q
-        zero = g.xp.all(q == 0, axis=0)
+        zero = g.xp.all(q == 0, axis=1)  # columns of Q: rows of Q^T
         if bool(zero.any()):  # P = M Q would stay zero for good
-            fresh = draw_q(config.seed, i, upcoming, m, config.rank)
-            cols = np.flatnonzero(backend.to_numpy(zero) if not g.host else zero)
+            fresh = draw_q(config.seed, i, upcoming, m, config.rank).T
+            rows = np.flatnonzero(backend.to_numpy(zero) if not g.host else zero)
             host = self._host_copy(self.q[i])
-            host[:, cols] = fresh[:, cols]
+            host[rows] = fresh[rows]
             self._set(self.q[i], host)
 
     @staticmethod

@@ -141,3 +141,26 @@ def test_pages_sweep_times_the_same_allreduces_over_three_memories():
     assert [row["memory"] for row in res["rows"]] == ["tensors", "huge pages", "small pages"]
     assert all(math.isfinite(row["median_ms"]) and row["median_ms"] > 0 for row in res["rows"])
     assert "memory pages" in sweeps.format_sweeps({"pages": res})
+
+
+def test_powersgd_methods_report_bytes_the_peer_and_the_modelled_link():
+    from mpi_gradreducer.bench import powersgd
+    from mpi_gradreducer.bench.torch_methods import gloo_usable
+
+    methods = ["reducer", "reducer-powersgd"] + (["torch-powersgd"] if gloo_usable(WORLD) else [])
+    returned = bench.main(["--workload", "small", "--methods", *methods, "--powersgd-rank", "1",
+                           "--powersgd-model-ranks", "4", "--reps", "1", "--warmup", "0"], comm=WORLD)
+    res = returned["workloads"]["small"]
+    assert set(res["methods"]) == set(methods) and res["powersgd_rank"] == 1
+    stats = res["reducer_stats"]
+    assert 0 < stats["reducer-powersgd"]["wire_bytes"] < stats["reducer"]["wire_bytes"] == 38440
+    link = res["powersgd_link"]
+    assert link["ranks"] == 4 and set(link["parts"]) == {"reducer", "reducer-powersgd"}
+    saved = (stats["reducer"]["wire_bytes"] - stats["reducer-powersgd"]["wire_bytes"]) * 1.5
+    b = link["break_even_Bps"]  # where the two modelled times meet
+    if b not in (None, float("inf")):
+        times = [powersgd.link_time_ms(link["parts"][m], b, 4) for m in ("reducer", "reducer-powersgd")]
+        assert math.isclose(*times, rel_tol=1e-9) and saved > 0
+    text = host.format_workload("small", res)
+    assert "bytes per call (stats.bytes): reducer 38440, reducer-powersgd" in text
+    assert ("reducer-powersgd / torch-powersgd = " in text) == ("torch-powersgd" in methods)

@@ -244,7 +244,8 @@ def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray]
 
 
 def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gloo: Gloo | None,
-                   torch_unsupported: str | None, reps: int, warmup: int, powersgd_rank: int = 4) -> dict[str, Any]:
+                   torch_unsupported: str | None, reps: int, warmup: int, powersgd_rank: int = 4,
+                   model_ranks: int | None = None) -> dict[str, Any]:
     """Time the ``methods`` on one workload, interleaved (collective).
 
     Args:
@@ -257,6 +258,7 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
         reps: timed repetitions.
         warmup: untimed repetitions first.
         powersgd_rank: the rank of ``reducer-powersgd`` and ``torch-powersgd``.
+        model_ranks: the ranks of the modelled link (default: those of ``comm``).
 
     Returns:
         The workload's facts, ``messages``, ``reducer_stats``, ``skipped``,
@@ -281,7 +283,7 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
     if any(name in times for name in powersgd.POWERSGD_METHODS):
         out["powersgd_rank"] = powersgd_rank
         out["powersgd_peer_bytes"] = peer_bytes
-        out["powersgd_link"] = powersgd.model(out, size)
+        out["powersgd_link"] = powersgd.model(out, model_ranks or size)
     return out
 
 
@@ -431,6 +433,9 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
                         "torch-gloo and torch-powersgd only where torch imports)")
     p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
                    help="the rank of reducer-powersgd and torch-powersgd (default 4)")
+    p.add_argument("--powersgd-model-ranks", type=int, default=None, metavar="N",
+                   help="the ranks of the modelled link (default: the ranks of the run), e.g. 4 from a 1-rank run "
+                        "whose compute had a core to itself")
     p.add_argument("--powersgd-plot", metavar="PATH",
                    help="write a PNG of step time against link bandwidth, modelled from the measured parts of "
                         "reducer and reducer-powersgd")
@@ -453,6 +458,8 @@ def _check(args: argparse.Namespace) -> str | None:
             return f"{option} needs matplotlib (pip install matplotlib)"
     if args.powersgd_rank < 1:
         return f"--powersgd-rank: expected a positive int, got {args.powersgd_rank}"
+    if args.powersgd_model_ranks is not None and args.powersgd_model_ranks < 2:
+        return f"--powersgd-model-ranks: expected an int >= 2, got {args.powersgd_model_ranks}"
     return None
 
 
@@ -471,7 +478,7 @@ def _run_workloads(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[
         for name in names:
             wl = make_workload(name, args.scale, args.small_count, args.small_size)
             res = bench_workload(comm, wl, args.methods, gloo, torch_unsupported, args.reps, args.warmup,
-                                 args.powersgd_rank)
+                                 args.powersgd_rank, args.powersgd_model_ranks)
             results["workloads"][name] = res
             say(format_workload(name, res) + "\n")
     finally:

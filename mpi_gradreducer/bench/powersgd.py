@@ -21,12 +21,14 @@
 
 Both run in the same interleaved repetitions as ``reducer``. From the
 measured parts a link is *modelled*: a call over a link of ``B`` bytes per
-second is taken to cost its measured time outside MPI (the median call time
-less the mean time the reducer's counters saw in MPI on this machine) plus
-``2 (N - 1) / N * wire bytes / B`` (a bandwidth-optimal Allreduce on ``N``
-ranks; latency is not modelled). The break-even bandwidth is the ``B`` at
-which the uncompressed and the compressed call cost the same: below it,
-PowerSGD is faster.
+second is taken to cost its measured compute (the reducer's own counters,
+``stats.pack_seconds + stats.unpack_seconds`` per call: for PowerSGD every
+product, the orthonormalisation and the error; for the uncompressed reducer
+its copies, its scaling being done inside the MPI time) plus ``2 (N - 1) / N
+* wire bytes / B`` (a bandwidth-optimal Allreduce on ``N`` ranks,
+``--powersgd-model-ranks``, default the ranks of the run; latency is not
+modelled). The break-even bandwidth is the ``B`` at which the uncompressed
+and the compressed call cost the same: below it, PowerSGD is faster.
 """
 
 from __future__ import annotations
@@ -165,23 +167,22 @@ class TorchPowerSGD:
 
 
 def model(res: dict[str, Any], ranks: int) -> dict[str, Any]:
-    """The modelled link: per method, time outside MPI and wire bytes; the break-even bandwidth.
+    """The modelled link: per method, its measured compute and wire bytes; the break-even bandwidth.
 
     Args:
         res: one workload's results (``methods``, ``reducer_stats``).
-        ranks: the number of ranks (for the Allreduce's ``2 (N - 1) / N``).
+        ranks: the number of ranks of the modelled Allreduce (its ``2 (N - 1) / N``).
 
     Returns:
-        ``{"parts": {method: {"outside_mpi_ms", "wire_bytes"}}, "break_even_Bps": float | None}``
+        ``{"ranks": N, "parts": {method: {"outside_mpi_ms", "wire_bytes"}}, "break_even_Bps": float | None}``
         (None: no break-even; ``inf``: PowerSGD is faster at any bandwidth).
     """
     parts = {}
     for name in ("reducer", "reducer-powersgd"):
         if name in res["methods"] and name in res["reducer_stats"]:
             stats = res["reducer_stats"][name]
-            parts[name] = {"outside_mpi_ms": max(0.0, res["methods"][name]["median_ms"] - stats["allreduce_ms"]),
-                           "wire_bytes": stats["wire_bytes"]}
-    out: dict[str, Any] = {"parts": parts, "break_even_Bps": None}
+            parts[name] = {"outside_mpi_ms": stats["pack_ms"] + stats["unpack_ms"], "wire_bytes": stats["wire_bytes"]}
+    out: dict[str, Any] = {"ranks": ranks, "parts": parts, "break_even_Bps": None}
     if len(parts) == 2:
         u, p = parts["reducer"], parts["reducer-powersgd"]
         saved = (u["wire_bytes"] - p["wire_bytes"]) * 2 * (ranks - 1) / ranks
@@ -221,7 +222,7 @@ def format_lines(res: dict[str, Any]) -> list[str]:
     if link and link["break_even_Bps"] is not None:
         b = link["break_even_Bps"]
         text = "at any bandwidth" if b == float("inf") else f"below {b * 8 / 1e9:.2f} Gbit/s ({b / 1e9:.3f} GB/s)"
-        lines.append(f"  modelled link: PowerSGD is faster {text} (measured time outside MPI + "
+        lines.append(f"  modelled link, {link['ranks']} ranks: PowerSGD is faster {text} (measured compute + "
                      "2(N-1)/N bytes / bandwidth)")
     return lines
 
@@ -233,13 +234,13 @@ def plot_links(path: str, results: dict[str, Any]) -> None:
 
     workloads = {name: res for name, res in results["workloads"].items()
                  if len(res.get("powersgd_link", {}).get("parts", {})) == 2}
-    ranks = results["environment"]["ranks"]
     fig = Figure(figsize=(4.2 * max(1, len(workloads)), 4), dpi=110)
     FigureCanvasAgg(fig)
     gbit = [b * 8 / 1e9 for b in LINKS]
     for k, (name, res) in enumerate(workloads.items()):
         ax = fig.add_subplot(1, len(workloads), k + 1)
         link = res["powersgd_link"]
+        ranks = link["ranks"]
         for method, style in (("reducer", "-"), ("reducer-powersgd", "--")):
             part = link["parts"][method]
             label = "uncompressed" if method == "reducer" else f"PowerSGD rank {res['powersgd_rank']}"
@@ -253,7 +254,8 @@ def plot_links(path: str, results: dict[str, Any]) -> None:
         ax.set_yscale("log")
         ax.set_xlabel("link bandwidth, Gbit/s (modelled)")
         ax.set_ylabel("reduction per step, ms")
-        ax.set_title(f"{name}, {ranks} ranks", fontsize=9)
+        ax.set_title(f"{name}, {ranks} ranks (modelled from a {results['environment']['ranks']}-rank run)",
+                     fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
