@@ -14,10 +14,11 @@
     ``gradient_as_bucket_view``: no copy in or out), one bucket after the
     other. Its first two calls (torch's start iteration; uncompressed)
     are made before timing. It is given random gradients and its results
-    are checked to be finite only: with the constant gradients that the
-    other methods are checked with (a rank-1 sum, which PowerSGD gives back
-    exactly), torch's single Gram-Schmidt pass on dependent columns does
-    not return the mean.
+    are checked to be finite only: the constant gradients that the other
+    methods are checked with (a rank-1 sum, which PowerSGD gives back
+    exactly) make P's later columns dependent, and torch's single
+    Gram-Schmidt pass, in float16 for float16 gradients, then returned twice
+    the mean and NaN (``mixed``, 4 ranks; float32: within 2e-5).
 
 Both run in the same interleaved repetitions as ``reducer``. From the
 measured parts a link is *modelled*: a call over a link of ``B`` bytes per
@@ -68,8 +69,8 @@ def add_cases(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[st
             return
         peer = peers["torch-powersgd"] = TorchPowerSGD(gloo, [(g.shape, g.dtype) for g in grads], rank)
         views = peer.grads
-        # Random values: on constant (rank-1) gradients torch's hook does not give the mean back (one
-        # Gram-Schmidt pass on dependent columns), so its results are only checked to be finite.
+        # Random values: on constant (rank-1) float16 gradients torch's hook does not give the mean back
+        # (one Gram-Schmidt pass on dependent columns, in float16), so its results are only checked finite.
         rng = np.random.default_rng(comm.Get_rank())
         sources = [rng.standard_normal(v.shape).astype(v.dtype) for v in views]
 
