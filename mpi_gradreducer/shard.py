@@ -325,6 +325,11 @@ class Shard:
         """Elements in this rank's pieces."""
         return sum(p.stop - p.start for p in self.pieces)
 
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The reducer's communicator, over which the pieces were reduced."""
+        return self._sharder.comm
+
     def allgather(self, params: Sequence[Any]) -> Sequence[Any]:
         """Put every rank's pieces of ``params`` into every rank's ``params``, in place (collective).
 

@@ -1,0 +1,637 @@
+"""torch in three lines: a ``DistributedOptimizer`` that reduces gradients while backward runs.
+
+Importing this module imports torch; nothing else in the package does::
+
+    from mpi_gradreducer.torch import DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state
+
+    broadcast_parameters(model)                 # rank 0's parameters and buffers into every rank's
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    broadcast_optimizer_state(opt)              # rank 0's optimizer state into every rank's
+    for x, y in data:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()         # each gradient is reduced as soon as autograd finishes it
+        opt.step()                              # waits for the reduction, then steps
+
+How it works. The wrapper builds a :class:`~mpi_gradreducer.DistributedGradReducer`
+from the optimizer's parameters and keeps one gradient tensor per parameter
+over the reducer's own fusion buffers (``allocate_grads``: buckets made of
+them are reduced where they lie). A post-accumulate-grad hook on every
+parameter moves torch's fresh gradient into that tensor (a copy, or nothing
+when backward accumulated into it), makes it the parameter's ``.grad`` and
+declares it ready (``ReductionStep.ready``): buckets are launched in plan
+order while backward goes on, advanced as the reducer's ``progress`` says.
+``step()`` declares the rest ready and waits.
+
+Unused parameters need no graph traversal. The reducer gets one more
+gradient, before the parameters: a small vector of flags, written at
+``step()``, that rides in the last bucket. Each rank puts a non-zero value
+for every parameter it has a gradient for, and in its own slot for each kind
+of misuse it saw; the reduction itself tells every rank which parameters
+some rank used (their ``.grad`` gets the average, zeros stood for the others)
+and which rank misused what. A healthy step sends nothing more than the
+gradients, and a rank in :meth:`DistributedOptimizer.join` takes part in it as
+in any reduction (its flags are zeros).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from . import agreement, groups, interop, planning
+from .reducer import DistributedGradReducer
+from .shard import Shard
+
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_"]
+
+#: The kinds of misuse a rank reports in the flags, by slot (one slot per kind and rank).
+MISUSES = (
+    "step() or synchronize() was called without a backward pass since the last step()",
+    "a gradient was written after its hook fired (it had been handed to the reduction)",
+    "the optimizer's parameters changed after DistributedOptimizer was made",
+    "a gradient is not a dense (strided) tensor",
+)
+_NO_BACKWARD, _WRITTEN, _CHANGED, _NOT_DENSE = range(len(MISUSES))
+#: dtypes named in the cross-rank comparison of models, by code (anything else: "other").
+_DTYPES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "uint8", "int16",
+           "int32", "int64", "bool")
+
+
+class DistributedOptimizer:
+    """Wraps a torch optimizer: gradients are averaged across the ranks during backward, then it steps.
+
+    Construction is collective over the reducer's ``group``: every rank must
+    wrap an optimizer over parameters of the same shapes and dtypes, in the
+    same order (checked; a difference raises ``ValueError`` on every rank).
+    Parameters that do not require grad are left out (as DDP does).
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` over the model's parameters
+            (every param group).
+        backward_passes_per_step: backward passes accumulated locally before
+            the gradients are reduced (each ``step()``).
+        **reducer_options: any option of
+            :class:`~mpi_gradreducer.DistributedGradReducer` (``group``,
+            ``progress``, ``bucket_bytes``, ``compression``, ...). Per-parameter
+            options (``fusion``, ``skip``, ``split_indices``) count the
+            parameters that require grad, in param-group order.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer.
+        ValueError: on every rank, for a bad option on any rank or models
+            that differ between ranks.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1,
+                 **reducer_options: Any) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        group = reducer_options.get("group")
+        comm = MPI.COMM_WORLD if group is None else group
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
+        self.optimizer = optimizer
+        self._count = _param_count(optimizer)
+        where = [(g, j) for g, grp in enumerate(optimizer.param_groups) for j, p in enumerate(grp["params"])
+                 if p.requires_grad]
+        self._params: list[torch.Tensor] = [optimizer.param_groups[g]["params"][j] for g, j in where]
+        self._names = [f"param_groups[{g}]['params'][{j}]" for g, j in where]
+        error: BaseException | None = None
+        options: dict[str, Any] = {}
+        try:
+            if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
+                    or backward_passes_per_step < 1:
+                raise ValueError(f"backward_passes_per_step: expected an int >= 1, got {backward_passes_per_step!r}")
+            if not self._params:
+                raise ValueError("optimizer: expected parameters that require grad, got none")
+            options = _with_flags(len(self._params), reducer_options)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        agreement.raise_if_any(comm, error)
+        check_same_tensors(comm, self._params, self._names)
+        self.passes = backward_passes_per_step
+        size, rank = comm.Get_size(), comm.Get_rank()
+        first = self._params[0]
+        flags = torch.zeros(len(self._params) + len(MISUSES) * size, dtype=first.dtype, device=first.device)
+        #: The reducer: its first gradient is the flags, then one per parameter.
+        self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], **options)
+        self._size, self._rank = size, rank
+        self._skip = tuple(self.reducer.options.skip[1:])
+        views = self.reducer.allocate_grads()
+        self._flags = _as_tensor(views[0], flags)
+        self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params)]
+        self._control = self.reducer.comm.Dup()  # join()'s agreement on the last rank, apart from the data
+        self._steps = 0
+        self._no_sync = self._skip_sync = False
+        self._reset()
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self._params)]
+
+    # -- the optimizer's face ---------------------------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimizer's param groups (learning rates may be changed in place)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        """The wrapped optimizer's state."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's ``state_dict()``."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The wrapped optimizer's ``load_state_dict()``."""
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused: the reduction plan is fixed when the wrapper is made.
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError("add_param_group: DistributedOptimizer cannot take parameters added later (the reduction "
+                         "plan is fixed); add every param group to the torch optimizer before wrapping it")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r}, backward_passes_per_step={self.passes})"
+
+    # -- a step ---------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Set every gradient to None (torch's default), or to zeros in place.
+
+        A reduction already started (backward ran, no ``step()`` yet) is
+        finished first, on every rank alike, and its result dropped.
+        """
+        if self._step is not None:
+            self.synchronize()
+        self._reset()
+        for p, v in zip(self._params, self._grads):
+            if set_to_none:
+                p.grad = None
+            else:
+                v.zero_()
+                p.grad = v
+
+    def synchronize(self) -> None:
+        """Finish the reduction: every ``.grad`` then holds the average over the ranks (collective).
+
+        A parameter that some rank used gets the average everywhere (zeros
+        stood for the ranks that did not); one that no rank used keeps
+        ``.grad`` None. Returns at once when already synchronized since the
+        last backward.
+
+        Raises:
+            RuntimeError: on every rank, after the reduction, when some rank
+                misused the optimizer (no backward since the last step, a
+                gradient written after its hook fired, parameters added to the
+                optimizer), naming that rank.
+        """
+        if self._synchronized:
+            return
+        if _param_count(self.optimizer) != self._count:
+            self._fail(_CHANGED, f"the optimizer has {_param_count(self.optimizer)} parameters, but "
+                                 f"DistributedOptimizer was made with {self._count}; add every param group before "
+                                 "wrapping it")
+        if not self._fired_any:
+            self._fail(_NO_BACKWARD, "step() or synchronize() was called without a backward pass since the last "
+                                     "step() (no gradient hook fired on this rank)")
+        step = self._begin()
+        waiting = set(step.not_ready())
+        local = np.zeros(self._flags.numel(), dtype=np.float32)
+        for i, (p, v) in enumerate(zip(self._params, self._grads)):
+            g = p.grad
+            if i + 1 not in waiting:
+                local[i] = 1.0
+                if g is not v or v._version != self._versions[i]:
+                    self._fail(_WRITTEN, f"{self._names[i]}: its gradient was written after its hook fired "
+                                         "(after it was handed to the reduction); write gradients only in backward, "
+                                         f"at most backward_passes_per_step={self.passes} times per step()")
+                continue
+            if g is None:
+                v.zero_()
+            else:
+                local[i] = 1.0
+                if g is not v:
+                    if not _dense(g):
+                        self._fail(_NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense "
+                                               "gradients are reduced")
+                        v.zero_()
+                    else:
+                        v.copy_(g)
+                    p.grad = v
+            step.ready(i + 1)
+        for kind, _ in self._failures:
+            local[len(self._params) + kind * self._size + self._rank] = 1.0
+        self._flags.copy_(torch.from_numpy(local))
+        step.ready(0)
+        try:
+            step.wait()
+        finally:
+            self._step = None
+        flags = self._flags.detach().cpu().to(torch.float32).numpy()
+        n = len(self._params)
+        for i, p in enumerate(self._params):
+            if p.grad is None and flags[i] != 0 and not self._skip[i]:
+                p.grad = self._grads[i]  # used on another rank: the average is here
+        self._synchronized = True
+        misuse = flags[n:].reshape(len(MISUSES), self._size)
+        if misuse.any():
+            failures = self._failures
+            self._reset()
+            self._raise_misuse(misuse, failures)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Wait for the reduction (unless in ``skip_synchronize()``), then step the wrapped optimizer.
+
+        Args:
+            closure: not supported (its backward would not be reduced): must be None.
+
+        Returns:
+            What the wrapped optimizer's ``step`` returns.
+
+        Raises:
+            RuntimeError: on every rank, as :meth:`synchronize`; or inside
+                ``skip_synchronize()`` while a reduction is in flight.
+        """
+        if closure is not None:
+            raise ValueError("step(closure): closures are not supported (their backward would not be reduced)")
+        if not self._skip_sync:
+            self.synchronize()
+        elif self._step is not None:
+            raise RuntimeError("step() inside skip_synchronize() while a reduction is in flight: call "
+                               "synchronize() before it")
+        result = self.optimizer.step()
+        self._steps += 1
+        self._reset()
+        return result
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` in this block does not reduce: call ``synchronize()`` before it (e.g. to clip)."""
+        self._skip_sync = True
+        try:
+            yield
+        finally:
+            self._skip_sync = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes in this block accumulate gradients locally; the next one outside reduces them."""
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def join(self) -> int:
+        """This rank has no more data: take part in the other ranks' steps with nothing (collective).
+
+        Each of their steps is averaged over the ranks that contributed to it
+        (see :meth:`DistributedGradReducer.join`). Once every rank has
+        joined, the parameters and the optimizer state of the rank that took
+        the most steps (the lowest such rank) are copied into every rank's.
+
+        Returns:
+            That rank (pass it as ``root`` to :func:`broadcast_parameters` to
+            copy the model's buffers as well).
+
+        Raises:
+            RuntimeError: when backward ran on this rank since the last ``step()``.
+        """
+        if self._step is not None or self._fired_any:
+            raise RuntimeError("join() after a backward pass without step(): step() first, or zero_grad()")
+        self.reducer.join()
+        counts = np.array(self._control.allgather(self._steps), dtype=np.int64)
+        root = int(np.argmax(counts))
+        with torch.no_grad():
+            groups.broadcast_parameters([interop.view(p.detach()) for p in self._params], root=root,
+                                        group=self._control)
+        broadcast_optimizer_state(self, root=root)
+        self._reset()
+        return root
+
+    def free(self) -> None:
+        """Remove the hooks and free the reducer (collective). Idempotent."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._control != MPI.COMM_NULL:
+            self._control.Free()
+        self.reducer.free()
+
+    def __enter__(self) -> DistributedOptimizer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    @property
+    def comm(self) -> MPI.Intracomm:
+        """The wrapper's own duplicate of the reducer's communicator (``join`` and the optimizer state use it)."""
+        return self._control
+
+    @property
+    def synchronized(self) -> bool:
+        """True after ``synchronize()`` until the next ``step()`` or ``zero_grad()``."""
+        return self._synchronized
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _reset(self) -> None:
+        self._step: Any = None
+        self._fired = [0] * len(self._params)
+        self._versions = [0] * len(self._params)
+        self._fired_any = False
+        self._synchronized = False
+        self._failures: list[tuple[int, str]] = []
+
+    def _begin(self) -> Any:
+        if self._step is None:
+            self._step = self.reducer.begin([self._flags, *self._grads])
+        return self._step
+
+    def _fail(self, kind: int, message: str) -> None:
+        if all(k != kind for k, _ in self._failures):
+            self._failures.append((kind, message))
+
+    def _on_gradient(self, i: int, p: torch.Tensor) -> None:
+        """The post-accumulate-grad hook of parameter ``i``."""
+        self._fired_any = True
+        if self._synchronized:
+            self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed after synchronize() and before "
+                                 "step(); call backward before synchronize()")
+            return
+        g, v = p.grad, self._grads[i]
+        if g is None:
+            return
+        if g is not v:
+            if not _dense(g):
+                self._fail(_NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense gradients "
+                                       "are reduced")
+                return
+            v.copy_(g)
+            p.grad = v
+        if self._no_sync:
+            return
+        self._fired[i] += 1
+        if self._fired[i] == self.passes:
+            step = self._begin()
+            self._versions[i] = v._version
+            if v.is_cuda and torch.cuda.current_stream(v.device) != torch.cuda.default_stream(v.device):
+                torch.cuda.current_stream(v.device).synchronize()  # the reducer orders MPI after the default stream
+            step.ready(i + 1)
+        elif self._fired[i] > self.passes:
+            self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed more than "
+                                 f"backward_passes_per_step={self.passes} times before step(), the last time "
+                                 "after its hook had handed it to the reduction")
+
+    def _raise_misuse(self, misuse: np.ndarray, failures: Sequence[tuple[int, str]]) -> None:
+        """Raise the same RuntimeError on every rank, naming the first misuse and its rank."""
+        kind, rank = (int(k[0]) for k in np.nonzero(misuse))
+        detail = next((m for k, m in failures if k == kind), None) if rank == self._rank else None
+        if self.reducer.contributors == self._size:  # nobody in join(): the failing rank's words, everywhere
+            error = RuntimeError(detail) if detail is not None else None
+            agreement.raise_if_any(self._control, error if rank == self._rank else None)
+        raise RuntimeError(f"rank {rank}: {MISUSES[kind]}")
+
+
+def _hook(me: weakref.ReferenceType[DistributedOptimizer], i: int) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None:
+            opt._on_gradient(i, p)
+
+    return hook
+
+
+def _param_count(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(g["params"]) for g in optimizer.param_groups)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided
+
+
+def _with_flags(count: int, options: dict[str, Any]) -> dict[str, Any]:
+    """The reducer's options for the flags followed by ``count`` parameters (local; raises on bad options).
+
+    The flags take the fusion id of the first parameter, so that they ride
+    in its bucket (the last one launched), and are never skipped.
+    """
+    options = dict(options)
+    ids = planning.fusion_ids(count, options.pop("fusion_type", 1), options.pop("fusion", None),
+                              options.pop("split_indices", None))
+    options["fusion"] = [ids[0], *ids]
+    skip = options.pop("skip", None)
+    if skip is not None:
+        skip = list(skip)
+        if len(skip) != count:
+            raise ValueError(f"skip: expected {count} bools (one per parameter that requires grad), got {len(skip)}")
+        options["skip"] = [False, *skip]
+    return options
+
+
+def _as_tensor(view: Any, like: torch.Tensor) -> torch.Tensor:
+    """A torch tensor over ``view`` (a numpy or cupy array), or a zero tensor like ``like`` when torch cannot."""
+    try:
+        t = torch.from_numpy(view) if isinstance(view, np.ndarray) else torch.from_dlpack(view)
+    except (TypeError, RuntimeError, BufferError):  # e.g. ml_dtypes.bfloat16: the reducer packs a tensor of torch's
+        t = None
+    if t is None or t.dtype != like.dtype or t.shape != like.shape or t.device != like.device:
+        t = torch.zeros_like(like, memory_format=torch.contiguous_format).detach()
+    return t
+
+
+def _tensor_row(t: torch.Tensor) -> tuple[int, ...]:
+    name = str(t.dtype).replace("torch.", "")
+    code = _DTYPES.index(name) if name in _DTYPES else len(_DTYPES)
+    return (code, int(t.device.type == "cuda"), t.dim(), *t.shape)
+
+
+def _describe_row(row: tuple[int, ...]) -> str:
+    dtype = _DTYPES[row[0]] if row[0] < len(_DTYPES) else "other dtype"
+    return f"shape {tuple(row[3:])} {dtype} on {'cuda' if row[1] else 'cpu'}"
+
+
+def check_same_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Raise ``ValueError`` on every rank unless every rank has tensors of the same shapes and dtypes (collective).
+
+    Args:
+        comm: the ranks that must agree.
+        tensors: this rank's tensors, in order.
+        names: what each tensor is, for the message (e.g. ``"parameter 'fc.weight'"``).
+
+    Raises:
+        ValueError: naming the first tensor that differs, the two ranks and what each has.
+    """
+    agreement.check_same(comm, [_tensor_row(t) for t in tensors], lambda i, row: _describe_row(row),
+                         lambda i: names[i] if i < len(names) else f"tensor {i}")
+
+
+def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: int = 0,
+                         group: MPI.Intracomm | None = None) -> None:
+    """Copy rank ``root``'s parameters and buffers into every rank's, in place (collective).
+
+    Args:
+        model: a ``torch.nn.Module`` (its parameters, then its buffers), or
+            tensors (the same on every rank).
+        root: the rank whose values everyone takes.
+        group: the communicator; default ``MPI.COMM_WORLD``.
+
+    Raises:
+        ValueError: on every rank, when the models differ (naming the first
+            parameter or buffer that does, and both ranks).
+    """
+    comm = MPI.COMM_WORLD if group is None else group
+    if isinstance(model, torch.nn.Module):
+        named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()]
+        named += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
+    else:
+        named = [(f"tensors[{i}]", t) for i, t in enumerate(model)]
+    tensors = [t.detach() for _, t in named]
+    check_same_tensors(comm, tensors, [n for n, _ in named])
+    with torch.no_grad():
+        groups.broadcast_parameters([_bytes_of(t) for t in tensors], root=root, group=comm)
+
+
+def _bytes_of(t: torch.Tensor) -> Any:
+    """A numpy (or cupy) view of ``t``'s bytes; bfloat16 and bool as unsigned ints."""
+    if t.dtype in (torch.bfloat16, torch.bool):
+        t = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.uint8)
+    return interop.view(t)
+
+
+def broadcast_optimizer_state(optimizer: DistributedOptimizer | torch.optim.Optimizer, root: int = 0,
+                              group: MPI.Intracomm | None = None) -> None:
+    """Copy rank ``root``'s optimizer state (and hyper-parameters) into every rank's optimizer (collective).
+
+    The state's layout travels pickled, its tensors as raw bytes; every rank
+    other than ``root`` loads the result with ``load_state_dict``.
+
+    Args:
+        optimizer: a :class:`DistributedOptimizer` (its communicator is used)
+            or a torch optimizer.
+        root: the rank whose state everyone takes.
+        group: the communicator for a torch optimizer; default ``MPI.COMM_WORLD``.
+
+    Raises:
+        ValueError: on every rank, when some rank's optimizer cannot take
+            ``root``'s state (other param groups), naming that rank.
+    """
+    if isinstance(optimizer, DistributedOptimizer):
+        comm, inner = optimizer.comm, optimizer.optimizer
+    else:
+        comm, inner = (MPI.COMM_WORLD if group is None else group), optimizer
+    rank = comm.Get_rank()
+    tensors: list[torch.Tensor] = []
+    layout = None
+    if rank == root:
+        layout = _strip(inner.state_dict(), tensors)
+    layout = comm.bcast(layout, root=root)
+    if rank != root:
+        tensors = []
+        layout = _rebuild(layout, tensors)
+    for t in tensors:
+        flat = t.reshape(-1)
+        if flat.numel():
+            comm.Bcast(flat.view(torch.uint8).numpy(), root=root)
+    error = None
+    if rank != root:
+        try:
+            inner.load_state_dict(layout)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            error = ValueError(f"load_state_dict of rank {root}'s optimizer state failed: {exc}")
+    agreement.raise_if_any(comm, error)
+
+
+class _Tensor:
+    """A tensor's place in a state's layout: its position among the tensors, shape and dtype."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a :class:`_Tensor`; the tensors (contiguous, on the host) appended."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach().to("cpu").contiguous())
+        return _Tensor(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`_strip`, with empty tensors to receive the bytes."""
+    if isinstance(obj, _Tensor):
+        tensors.append(torch.empty(obj.shape, dtype=obj.dtype))
+        return tensors[-1]
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, tensors) for v in obj)
+    return obj
+
+
+def clip_grad_norm_(target: DistributedOptimizer | Shard, max_norm: float, norm_type: float = 2.0) -> float:
+    """Scale the averaged gradients in place so that their total norm is at most ``max_norm``.
+
+    For a :class:`DistributedOptimizer`, call it between ``synchronize()``
+    and ``step()`` (inside ``skip_synchronize()``): every rank then holds the
+    same averaged gradients, and this is ``torch.nn.utils.clip_grad_norm_``
+    over them. For a sharded step (a :class:`~mpi_gradreducer.shard.Shard`
+    from ``reducer.reduce_scatter``), each rank holds only its pieces: their
+    norms are combined across the ranks (one small Allreduce), and every
+    rank scales its pieces by the same factor.
+
+    Args:
+        target: the optimizer, synchronized, or a shard.
+        max_norm: the largest total norm allowed.
+        norm_type: the p of the p-norm (``math.inf`` for the largest magnitude).
+
+    Returns:
+        The total norm before clipping (the same on every rank).
+
+    Raises:
+        RuntimeError: for an optimizer that is not synchronized.
+    """
+    if isinstance(target, DistributedOptimizer):
+        if not target.synchronized:
+            raise RuntimeError("clip_grad_norm_: call opt.synchronize() first, then step() inside "
+                               "opt.skip_synchronize()")
+        grads = [p for p in target._params if p.grad is not None]
+        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type))
+    if not isinstance(target, Shard):
+        raise TypeError(f"clip_grad_norm_: expected a DistributedOptimizer or a Shard, got {type(target).__name__}")
+    p = float(norm_type)
+    local = np.zeros(1, dtype=np.float64)
+    for piece in target:
+        g = np.abs(np.asarray(piece.grad, dtype=np.float64))
+        if g.size:
+            local[0] = max(local[0], float(g.max())) if math.isinf(p) else local[0] + float(np.sum(g ** p))
+    target.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX if math.isinf(p) else MPI.SUM)
+    total = float(local[0]) if math.isinf(p) else float(local[0]) ** (1.0 / p)
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for piece in target:
+            piece.grad *= coef
+    return total
