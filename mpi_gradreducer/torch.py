@@ -633,5 +633,5 @@ def clip_grad_norm_(target: DistributedOptimizer | Shard, max_norm: float, norm_
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
         for piece in target:
-            piece.grad *= coef
+            piece.grad[...] *= coef
     return total

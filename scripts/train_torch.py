@@ -1,19 +1,17 @@
-"""Data-parallel training of a torch MLP on scikit-learn's digits, gradients averaged on ``p.grad``.
+"""Data-parallel training of a torch MLP on scikit-learn's digits with ``mpi_gradreducer.torch``.
 
-The reducer is built from ``model.parameters()`` and called on the tensors'
-own gradients, ``[p.grad for p in params]``: they are averaged in place, in
-torch's memory. Every rank trains on its share of each global batch::
+``DistributedOptimizer`` wraps torch's SGD: each gradient is handed to the
+reduction by a hook as soon as backward has finished it, and ``step()`` waits
+for the average, then steps. Every rank trains on its share of each global
+batch::
 
     mpiexec -n 4 python scripts/train_torch.py
     mpiexec -n 4 python scripts/train_torch.py --overlap
     mpiexec -n 4 python scripts/train_torch.py --check-ddp --overlap
 
-``--overlap`` declares each gradient ready from torch's post-accumulate-grad
-hook, so that buckets are reduced while backward goes on. The gradient
-tensors are allocated before the first step and zeroed in place
-(``zero_grad(set_to_none=False)``): backward then accumulates into them, so
-the list handed to ``reducer.begin`` before backward holds the very tensors
-that backward fills.
+``--overlap`` reduces the buckets on a communication thread while backward
+goes on (``progress="thread"``); without it the reducer's ``progress="auto"``
+decides (on a machine with fewer cores than ranks: in ``step()``).
 
 ``--check-ddp`` trains the same model in float64 a second time with
 ``torch.nn.parallel.DistributedDataParallel`` over gloo (rendezvous on
@@ -41,7 +39,7 @@ from train_digits import (
     load_data as load_digits,
 )
 
-from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, interop
+from mpi_gradreducer.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 #: Required agreement of the reducer's and DDP's parameters (float64).
 DDP_TOLERANCE = 1e-9
@@ -66,8 +64,7 @@ def make_model(settings: Settings, comm: MPI.Comm) -> torch.nn.Module:
     model = torch.nn.Sequential(
         torch.nn.Linear(64, settings.hidden), torch.nn.ReLU(), torch.nn.Linear(settings.hidden, 10)
     ).to(settings.dtype)
-    with torch.no_grad():
-        broadcast_parameters([interop.view(p.detach()) for p in model.parameters()], group=comm)
+    broadcast_parameters(model, group=comm)
     return model
 
 
@@ -80,44 +77,25 @@ def batches(n: int, settings: Settings, epoch: int, rank: int, size: int) -> lis
 
 def train_with_reducer(settings: Settings, data: Sequence[torch.Tensor], comm: MPI.Comm,
                        report: Callable[[str], None]) -> torch.nn.Module:
-    """Train with ``DistributedGradReducer`` on ``p.grad``; returns the model."""
+    """Train with ``mpi_gradreducer.torch.DistributedOptimizer``; returns the model."""
     x_train, y_train, x_test, y_test = data
     x_train, x_test = x_train.to(settings.dtype), x_test.to(settings.dtype)
     model = make_model(settings, comm)
-    params = list(model.parameters())
-    optimizer = torch.optim.SGD(params, lr=settings.lr, momentum=settings.momentum)
-    reducer = DistributedGradReducer(model.parameters(), group=comm)
-    current: list[Any] = []  # the step in flight, for the hooks (--overlap)
-    if settings.overlap:
-        for p in params:
-            p.grad = torch.zeros_like(p)  # backward accumulates into these
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda _p, i=i: current[0].ready(i))
-        storage = [g.data_ptr() for g in (p.grad for p in params)]
-    try:
+    progress = "thread" if settings.overlap else "auto"
+    with DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=settings.lr, momentum=settings.momentum),
+                              group=comm, progress=progress) as optimizer:
+        broadcast_optimizer_state(optimizer)
         for epoch in range(settings.epochs):
             total, count = 0.0, 0
             for idx in batches(len(x_train), settings, epoch, comm.Get_rank(), comm.Get_size()):
-                if settings.overlap:
-                    optimizer.zero_grad(set_to_none=False)
-                    current[:] = [reducer.begin([p.grad for p in params])]
-                    loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-                    loss.backward()  # hooks declare each gradient ready as soon as it is final
-                    current.pop().wait()
-                else:
-                    optimizer.zero_grad()  # set_to_none: new gradient tensors every step
-                    loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
-                    loss.backward()
-                    reducer([p.grad for p in params])
-                optimizer.step()
+                optimizer.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx])
+                loss.backward()  # each gradient is handed to the reduction as soon as autograd finishes it
+                optimizer.step()  # waits for the reduction, then steps
                 total, count = total + loss.item() * len(idx), count + len(idx)
             sums = np.array([total, count], dtype=np.float64)
             comm.Allreduce(MPI.IN_PLACE, sums)
             report(f"epoch={epoch + 1} loss={sums[0] / sums[1]:.4f} accuracy={accuracy(model, x_test, y_test):.4f}")
-        if settings.overlap and [p.grad.data_ptr() for p in params] != storage:
-            raise RuntimeError("backward replaced the gradient tensors; the overlapped steps reduced stale ones")
-    finally:
-        reducer.free()
     return model
 
 

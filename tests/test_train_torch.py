@@ -48,10 +48,11 @@ def _run(*args: str) -> dict[str, str]:
     return dict(re.findall(r"(\w+)=(\S+)", proc.stdout))
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["blocking", "overlap"])
-def test_torch_training_matches_ddp(overlap):
-    out = _run("--epochs", "3", "--check-ddp", *(["--overlap"] if overlap else []))
-    assert out["ranks"] == "4" and out["overlap"] == str(overlap)
+def test_torch_training_matches_ddp():
+    """The worked example, with the reduction on a communication thread (``tests/jobs/torch_ddp.py`` holds
+    the optimizer against DDP in the other modes)."""
+    out = _run("--epochs", "3", "--check-ddp", "--overlap")
+    assert out["ranks"] == "4" and out["overlap"] == "True"
     assert float(out["max_difference_vs_ddp"]) <= 1e-9
     assert float(out["test_accuracy"]) > 0.9
     assert float(out["loss"]) < 0.3
