@@ -124,6 +124,10 @@ class DistributedOptimizer:
         self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], **options)
         self._size, self._rank = size, rank
         self._skip = tuple(self.reducer.options.skip[1:])
+        # With a communication thread, buckets are launched during backward (begin/ready); otherwise nothing
+        # would advance before step(), which then makes one blocking call: fewer messages, and no rank spins in
+        # MPI for the header while the others still compute.
+        self._overlap = self.reducer.progress == "thread"
         views = self.reducer.allocate_grads()
         self._flags = _as_tensor(views[0], flags)
         self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params)]
@@ -212,12 +216,11 @@ class DistributedOptimizer:
         if not self._fired_any:
             self._fail(_NO_BACKWARD, "step() or synchronize() was called without a backward pass since the last "
                                      "step() (no gradient hook fired on this rank)")
-        step = self._begin()
-        waiting = set(step.not_ready())
+        step = self._begin() if self._overlap else None
         local = np.zeros(self._flags.numel(), dtype=np.float32)
         for i, (p, v) in enumerate(zip(self._params, self._grads)):
             g = p.grad
-            if i + 1 not in waiting:
+            if self._ready[i]:
                 local[i] = 1.0
                 if g is not v or v._version != self._versions[i]:
                     self._fail(_WRITTEN, f"{self._names[i]}: its gradient was written after its hook fired "
@@ -236,13 +239,17 @@ class DistributedOptimizer:
                     else:
                         v.copy_(g)
                     p.grad = v
-            step.ready(i + 1)
+            if step is not None:
+                step.ready(i + 1)
         for kind, _ in self._failures:
             local[len(self._params) + kind * self._size + self._rank] = 1.0
         self._flags.copy_(torch.from_numpy(local))
-        step.ready(0)
         try:
-            step.wait()
+            if step is not None:
+                step.ready(0)
+                step.wait()
+            else:
+                self.reducer([self._flags, *self._grads])
         finally:
             self._step = None
         flags = self._flags.detach().cpu().to(torch.float32).numpy()
@@ -357,6 +364,7 @@ class DistributedOptimizer:
     def _reset(self) -> None:
         self._step: Any = None
         self._fired = [0] * len(self._params)
+        self._ready = [False] * len(self._params)
         self._versions = [0] * len(self._params)
         self._fired_any = False
         self._synchronized = False
@@ -392,11 +400,12 @@ class DistributedOptimizer:
             return
         self._fired[i] += 1
         if self._fired[i] == self.passes:
-            step = self._begin()
+            self._ready[i] = True
             self._versions[i] = v._version
-            if v.is_cuda and torch.cuda.current_stream(v.device) != torch.cuda.default_stream(v.device):
-                torch.cuda.current_stream(v.device).synchronize()  # the reducer orders MPI after the default stream
-            step.ready(i + 1)
+            if self._overlap:
+                if v.is_cuda and torch.cuda.current_stream(v.device) != torch.cuda.default_stream(v.device):
+                    torch.cuda.current_stream(v.device).synchronize()  # the reducer syncs the default stream only
+                self._begin().ready(i + 1)
         elif self._fired[i] > self.passes:
             self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed more than "
                                  f"backward_passes_per_step={self.passes} times before step(), the last time "

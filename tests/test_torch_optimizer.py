@@ -116,14 +116,15 @@ def test_steps_average_and_keep_bucket_views(torch, dt):
 
 
 @pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("progress", ["deferred", "thread"])
 @pytest.mark.parametrize("misuse", ["second backward", "written in place", "no backward", "added parameter"])
-def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse):
+def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse, progress):
     net = _net(torch)
     dt.broadcast_parameters(net)
     culprit = WORLD.Get_size() - 1
     here = WORLD.Get_rank() == culprit
     extra = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
-    with dt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1)) as opt:
+    with dt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), progress=progress) as opt:
         before = _params(net)
         opt.zero_grad()
         if not (here and misuse == "no backward"):
@@ -182,11 +183,12 @@ def test_bad_arguments_and_added_groups(torch, dt):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_join_averages_over_the_ranks_that_step(torch, dt):
+@pytest.mark.parametrize("progress", ["deferred", "thread"])
+def test_join_averages_over_the_ranks_that_step(torch, dt, progress):
     """Rank r has r + 1 batches; loss = c . p with c = rank + 1: each step moves p by the contributors' mean c."""
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    with dt.DistributedOptimizer(torch.optim.SGD([p], lr=1.0, momentum=0.5)) as opt:
+    with dt.DistributedOptimizer(torch.optim.SGD([p], lr=1.0, momentum=0.5), progress=progress) as opt:
         for _ in range(rank + 1):
             opt.zero_grad()
             (p * (rank + 1.0)).sum().backward()

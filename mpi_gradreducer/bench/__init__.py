@@ -5,6 +5,7 @@ Run under MPI; only rank 0 prints::
     mpiexec -n 4 python -m mpi_gradreducer.bench [host] [OPTIONS]   # the host benchmark (the default)
     mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients (or: -m mpi_gradreducer.bench_gpu)
     mpiexec -n 4 python -m mpi_gradreducer.bench compression [OPTIONS]
+    mpiexec -n 4 python -m mpi_gradreducer.bench torch-optimizer [OPTIONS]
 
 Each subcommand's module is imported only when it runs. The parts they share:
 :mod:`.workloads` (gradient shapes), :mod:`.timing` (interleaved cases,
@@ -47,6 +48,7 @@ COMMANDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "host": ("host", "numpy gradients: the reducer against the raw-MPI limit, a per-tensor loop, torch"),
     "gpu": ("gpu", "cupy gradients: the staged and CUDA-aware reducer against the pinned-copy bound"),
     "compression": ("compression", "one large float32 gradient: fp16/bf16 wire compression against none"),
+    "torch-optimizer": ("torch_optimizer", "a torch MLP's training step: DistributedOptimizer against DDP over gloo"),
 })
 #: What runs when the first argument names no subcommand.
 DEFAULT_COMMAND = "host"
