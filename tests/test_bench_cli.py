@@ -25,7 +25,7 @@ def _exit_code(argv: list[str]) -> int:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("argv", [["--help"], ["gpu", "--help"], ["compression", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["gpu", "--help"], ["compression", "--help"], ["torch-optimizer", "--help"]])
 def test_help_prints_on_rank_0_only_and_every_rank_exits_0(capsys, argv):
     code = _exit_code(argv)
     out, err = capsys.readouterr()
@@ -38,7 +38,8 @@ def test_help_prints_on_rank_0_only_and_every_rank_exits_0(capsys, argv):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("argv", [["--reps", "0"], ["--scale", "0"], ["--workload", "resnet18"],
-                                  ["gpu", "--reps", "0"], ["compression", "--modes", "zip"]])
+                                  ["gpu", "--reps", "0"], ["compression", "--modes", "zip"],
+                                  ["torch-optimizer", "--layers", "0"]])
 def test_bad_options_are_one_error_on_rank_0_and_status_2_everywhere(capsys, argv):
     code = _exit_code(argv)
     out, err = capsys.readouterr()
@@ -61,7 +62,8 @@ def test_ranks_that_parse_differently_still_exit_alike():
 
 
 def test_registry_names_importable_benchmarks():
-    assert list(bench.COMMANDS) == ["host", "gpu", "compression"] and bench.DEFAULT_COMMAND == "host"
+    assert list(bench.COMMANDS) == ["host", "gpu", "compression", "torch-optimizer"]
+    assert bench.DEFAULT_COMMAND == "host"
     for name, (module, about) in bench.COMMANDS.items():
         assert callable(importlib.import_module(f"mpi_gradreducer.bench.{module}").main), name
         assert name in bench.describe_commands() and about in bench.describe_commands()
