@@ -115,7 +115,7 @@ class DistributedOptimizer:
         except (TypeError, ValueError) as exc:
             error = exc
         agreement.raise_if_any(comm, error)
-        check_same_tensors(comm, self._params, self._names)
+        _check_same_tensors(comm, self._params, self._names)
         self.passes = backward_passes_per_step
         size, rank = comm.Get_size(), comm.Get_rank()
         first = self._params[0]
@@ -274,16 +274,25 @@ class DistributedOptimizer:
             What the wrapped optimizer's ``step`` returns.
 
         Raises:
-            RuntimeError: on every rank, as :meth:`synchronize`; or inside
-                ``skip_synchronize()`` while a reduction is in flight.
+            RuntimeError: on every rank, as :meth:`synchronize`, and when some
+                rank ran backward between ``synchronize()`` and this step (one
+                small message after a ``synchronize()`` of the caller's, while
+                no rank is in ``join()``); or inside ``skip_synchronize()``
+                while a reduction is in flight.
         """
         if closure is not None:
             raise ValueError("step(closure): closures are not supported (their backward would not be reduced)")
+        explicit = self._synchronized
         if not self._skip_sync:
             self.synchronize()
         elif self._step is not None:
             raise RuntimeError("step() inside skip_synchronize() while a reduction is in flight: call "
                                "synchronize() before it")
+        if explicit and self.reducer.contributors == self._size:
+            late = RuntimeError(self._failures[0][1]) if self._failures else None  # since synchronize()
+            if late is not None:
+                self._reset()
+            agreement.raise_if_any(self._control, late)
         result = self.optimizer.step()
         self._steps += 1
         self._reset()
@@ -328,7 +337,7 @@ class DistributedOptimizer:
         counts = np.array(self._control.allgather(self._steps), dtype=np.int64)
         root = int(np.argmax(counts))
         with torch.no_grad():
-            groups.broadcast_parameters([interop.view(p.detach()) for p in self._params], root=root,
+            groups.broadcast_parameters([_bytes_of(p.detach()) for p in self._params], root=root,
                                         group=self._control)
         broadcast_optimizer_state(self, root=root)
         self._reset()
@@ -479,7 +488,7 @@ def _describe_row(row: tuple[int, ...]) -> str:
     return f"shape {tuple(row[3:])} {dtype} on {'cuda' if row[1] else 'cpu'}"
 
 
-def check_same_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+def _check_same_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
     """Raise ``ValueError`` on every rank unless every rank has tensors of the same shapes and dtypes (collective).
 
     Args:
@@ -515,7 +524,7 @@ def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: 
     else:
         named = [(f"tensors[{i}]", t) for i, t in enumerate(model)]
     tensors = [t.detach() for _, t in named]
-    check_same_tensors(comm, tensors, [n for n, _ in named])
+    _check_same_tensors(comm, tensors, [n for n, _ in named])
     with torch.no_grad():
         groups.broadcast_parameters([_bytes_of(t) for t in tensors], root=root, group=comm)
 

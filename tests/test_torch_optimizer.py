@@ -117,7 +117,8 @@ def test_steps_average_and_keep_bucket_views(torch, dt):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("progress", ["deferred", "thread"])
-@pytest.mark.parametrize("misuse", ["second backward", "written in place", "no backward", "added parameter"])
+@pytest.mark.parametrize("misuse", ["second backward", "written in place", "no backward", "added parameter",
+                                    "backward after synchronize"])
 def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse, progress):
     net = _net(torch)
     dt.broadcast_parameters(net)
@@ -140,9 +141,17 @@ def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse, progress):
                     "written in place": r"param_groups\[0\]\['params'\]\[0\]: its gradient was written after its "
                                         r"hook fired",
                     "no backward": r"without a backward pass since the last step\(\)",
-                    "added parameter": r"the optimizer has 5 parameters, but DistributedOptimizer was made with 4"}
+                    "added parameter": r"the optimizer has 5 parameters, but DistributedOptimizer was made with 4",
+                    "backward after synchronize": r"its gradient was computed after synchronize\(\) and before step"}
         with pytest.raises(RuntimeError, match=rf"^rank {culprit}: .*{expected[misuse]}"):
-            opt.step()
+            if misuse == "backward after synchronize":
+                opt.synchronize()
+                if here:
+                    _backward(torch, net, 1)
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
         for a, b in zip(before, _params(net)):  # nothing stepped
             np.testing.assert_array_equal(a, b)
         if here and misuse == "added parameter":
