@@ -48,6 +48,7 @@ from mpi4py import MPI
 from . import agreement, groups, interop, planning
 from .reducer import DistributedGradReducer
 from .shard import Shard
+from .steps import ReductionStep
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_"]
 
@@ -130,10 +131,17 @@ class DistributedOptimizer:
         self._overlap = self.reducer.progress == "thread"
         views = self.reducer.allocate_grads()
         self._flags = _as_tensor(views[0], flags)
-        self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params)]
+        self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params, strict=True)]
         self._control = self.reducer.comm.Dup()  # join()'s agreement on the last rank, apart from the data
         self._steps = 0
         self._no_sync = self._skip_sync = False
+        self._step: ReductionStep | None = None  # the reduction in flight (progress="thread")
+        self._fired: list[int] = []  # per parameter: hook calls that count towards backward_passes_per_step
+        self._ready: list[bool] = []  # per parameter: handed to the reduction in this step
+        self._versions: list[int] = []  # per parameter: its gradient's version counter when handed over
+        self._fired_any = False  # a hook ran since the last step()
+        self._synchronized = False
+        self._failures: list[tuple[int, str]] = []  # this rank's misuse since the last step(): (kind, message)
         self._reset()
         me = weakref.ref(self)
         self._hooks = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self._params)]
@@ -186,7 +194,7 @@ class DistributedOptimizer:
         if self._step is not None:
             self.synchronize()
         self._reset()
-        for p, v in zip(self._params, self._grads):
+        for p, v in zip(self._params, self._grads, strict=True):
             if set_to_none:
                 p.grad = None
             else:
@@ -218,7 +226,7 @@ class DistributedOptimizer:
                                      "step() (no gradient hook fired on this rank)")
         step = self._begin() if self._overlap else None
         local = np.zeros(self._flags.numel(), dtype=np.float32)
-        for i, (p, v) in enumerate(zip(self._params, self._grads)):
+        for i, (p, v) in enumerate(zip(self._params, self._grads, strict=True)):
             g = p.grad
             if self._ready[i]:
                 local[i] = 1.0
@@ -371,15 +379,15 @@ class DistributedOptimizer:
     # -- internals ------------------------------------------------------------------------------
 
     def _reset(self) -> None:
-        self._step: Any = None
+        self._step = None
         self._fired = [0] * len(self._params)
         self._ready = [False] * len(self._params)
         self._versions = [0] * len(self._params)
         self._fired_any = False
         self._synchronized = False
-        self._failures: list[tuple[int, str]] = []
+        self._failures = []
 
-    def _begin(self) -> Any:
+    def _begin(self) -> ReductionStep:
         if self._step is None:
             self._step = self.reducer.begin([self._flags, *self._grads])
         return self._step
@@ -518,6 +526,7 @@ def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: 
             parameter or buffer that does, and both ranks).
     """
     comm = MPI.COMM_WORLD if group is None else group
+    named: list[tuple[str, torch.Tensor]]
     if isinstance(model, torch.nn.Module):
         named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()]
         named += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]

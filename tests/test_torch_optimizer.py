@@ -21,7 +21,6 @@ import sys
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, everywhere
 
@@ -108,7 +107,7 @@ def test_steps_average_and_keep_bucket_views(torch, dt):
             local = [p.grad.clone() for p in net.parameters()]
             opt.step()
             expected = [WORLD.allreduce(g.numpy()) / WORLD.Get_size() for g in local]
-            for p, e in zip(net.parameters(), expected):
+            for p, e in zip(net.parameters(), expected, strict=True):
                 np.testing.assert_allclose(p.grad.numpy(), e, rtol=1e-13, atol=1e-15)
         assert opt.synchronized is False
         assert "SGD" in repr(opt) and opt.param_groups is opt.optimizer.param_groups
@@ -152,7 +151,7 @@ def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse, progress):
                     opt.step()
             else:
                 opt.step()
-        for a, b in zip(before, _params(net)):  # nothing stepped
+        for a, b in zip(before, _params(net), strict=True):  # nothing stepped
             np.testing.assert_array_equal(a, b)
         if here and misuse == "added parameter":
             opt.optimizer.param_groups.pop()

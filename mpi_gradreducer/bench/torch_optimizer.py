@@ -36,7 +36,8 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI

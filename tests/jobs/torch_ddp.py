@@ -37,7 +37,8 @@ import argparse
 import contextlib
 import socket
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -158,11 +159,12 @@ def main() -> None:
             reference = train_ddp(case, args.steps, rank)
             start = model(case, rank)
             with torch.no_grad():
-                diff = max(float((p - q).abs().max()) for p, q in zip(ours.parameters(), reference.parameters()))
+                pairs = zip(ours.parameters(), reference.parameters(), strict=True)
+                diff = max(float((p - q).abs().max()) for p, q in pairs)
                 moved = min(float((p - q).abs().max()) for (n, p), q in zip(ours.named_parameters(),
-                            start.parameters()) if not n.startswith("never"))
+                            start.parameters(), strict=True) if not n.startswith("never"))
                 never = max((float((p - q).abs().max()) for (n, p), q in zip(ours.named_parameters(),
-                            start.parameters()) if n.startswith("never")), default=0.0)
+                            start.parameters(), strict=True) if n.startswith("never")), default=0.0)
             diff = comm.allreduce(diff, op=MPI.MAX)
             moved = comm.allreduce(moved, op=MPI.MIN)
             never = comm.allreduce(never, op=MPI.MAX)
