@@ -132,7 +132,7 @@ class DistributedOptimizer:
         views = self.reducer.allocate_grads()
         self._flags = _as_tensor(views[0], flags)
         self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params, strict=True)]
-        self._control = self.reducer.comm.Dup()  # join()'s agreement on the last rank, apart from the data
+        self._control = self.reducer.comm.Dup()  # the wrapper's own messages (join, misuse, state), apart from the data
         self._steps = 0
         self._no_sync = self._skip_sync = False
         self._step: ReductionStep | None = None  # the reduction in flight (progress="thread")
