@@ -25,7 +25,8 @@ def _exit_code(argv: list[str]) -> int:
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("argv", [["--help"], ["gpu", "--help"], ["compression", "--help"], ["torch-optimizer", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["gpu", "--help"], ["compression", "--help"],
+                                  ["torch-optimizer", "--help"]])
 def test_help_prints_on_rank_0_only_and_every_rank_exits_0(capsys, argv):
     code = _exit_code(argv)
     out, err = capsys.readouterr()
