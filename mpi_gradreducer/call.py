@@ -49,6 +49,8 @@ class Call:
         nonfinite: a result held NaN or Inf (with ``check_finite``).
         gather_sparse: the RowSparse gradients are gathered (not when
             ``wait()`` found a rank that was not ready).
+        epoch: the replay epoch whose armed gradients this call reduces
+            (:class:`~.replay.Replay`), or None.
     """
 
     number: int
@@ -64,6 +66,7 @@ class Call:
     head: str = "pending"
     nonfinite: bool = False
     gather_sparse: bool = True
+    epoch: int | None = None
 
     @property
     def sparse(self) -> tuple[int, ...]:

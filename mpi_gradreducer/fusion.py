@@ -75,8 +75,12 @@ class FusionBuffer:
             return backend.flat_view(members[0])
         return _adjacent_run(members, self.bucket)
 
-    def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = ()) -> int:
+    def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = (), epoch: int | None = None
+             ) -> int:
         """Copy (and cast, and scale) the members into the buffer; skipped slots get zeros.
+
+        ``epoch``: the members are the replay epoch's armed gradients (see
+        :class:`~.transport.Gather`), or None.
 
         Returns:
             The number of device kernel launches made (0 on the host).
@@ -85,7 +89,7 @@ class FusionBuffer:
         if not self._host:
             return self._device_copy(members, scale, False, skip)
         if self.native and scale == 1.0 and not skip:
-            self._gathered = self._gather is not None and self._gather.pack(members, self.buffer)
+            self._gathered = self._gather is not None and self._gather.pack(members, self.buffer, epoch)
             if self._gathered:
                 return 0
             if len(members) < GATHER_MEMBERS:  # a few numpy copies cost less than one concatenate

@@ -170,7 +170,7 @@ class PackedPath:
             return
         pre, post = self.scales(call)
         t0 = time.perf_counter()
-        f.pack(members, pre, skip)
+        f.pack(members, pre, skip, call.epoch)
         t1 = time.perf_counter()
         self.sum(k, f, call)
         t2 = time.perf_counter()

@@ -16,6 +16,7 @@ from .fusion import distinct_caps, plan_for
 from .instrument import Instrument, ReducerStats
 from .lowrank import LowRankPath
 from .powersgd import PowerSGD
+from .replay import Replay
 from .steps import Overlap, ReductionStep
 from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from .validation import Checked, check_grads
@@ -143,7 +144,8 @@ class DistributedGradReducer:
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
         self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument) \
             if options.powersgd is not None else None
-        self._local = MPI.COMM_SELF.Dup()  # the buckets' local copies (transport.Gather)
+        self._local = MPI.COMM_SELF.Dup()  # local copies: the buckets' (transport.Gather), the replay's
+        self._replay = Replay(self._local)
         if options.bucket_bytes is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
             self._build_plan(self._tuner.current())
@@ -163,6 +165,7 @@ class DistributedGradReducer:
     def _build_plan(self, bucket_bytes: int) -> None:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
         self._bucket_bytes = bucket_bytes
+        self._replay.forget()
         self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local)
         self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
         self._paths = paths.assign(self._ctx)
@@ -195,6 +198,7 @@ class DistributedGradReducer:
         Returns:
             One zero-filled array per parameter, with its shape and dtype.
         """
+        self._replay.forget()
         return self._plan.allocate_grads()
 
     def __call__(self, grads: Sequence[Any]) -> Sequence[Any]:
@@ -307,6 +311,7 @@ class DistributedGradReducer:
             self._compression.free()
         if self._comm != MPI.COMM_NULL:
             self._plan.free()
+            self._replay.forget()
             self._local.Free()
             self._comm.Free()
 
@@ -348,15 +353,15 @@ class DistributedGradReducer:
             self._plan.free()
             self._build_plan(self._tuner.current())  # on every rank, before anything is sent
         checked = None
+        epoch = None
         if not joined:
-            unreadable = None
-            if grads is not None and not isinstance(grads, (list, tuple, Mapping, str, bytes)):
-                try:  # any iterable, e.g. (p.grad for p in params)
-                    grads = list(grads)
-                except Exception as exc:  # reported through the agreement, on every rank
-                    unreadable = Checked(TypeError(f"grads: iterating over it raised {exc!r}"))
-            aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
-            checked = unreadable or check_grads(grads, self._plan, aliasing)
+            checked = self._replay.recall(grads) if self._plan.host else None
+            if checked is not None:  # the last call's gradients, unchanged: its verdict stands
+                epoch = self._replay.epoch
+            else:
+                grads, checked = self._check(grads)
+                if self._plan.host and self._replay.remember(grads, checked):
+                    epoch = self._replay.epoch
             checked = shard.arrays_only(checked) if sharded else checked
             if sharded and self._lowrank is not None:  # refused on every rank, through the agreement
                 checked = Checked(ValueError(
@@ -365,6 +370,7 @@ class DistributedGradReducer:
         self._calls += 1  # on every rank, whether or not the call then raises
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous, sharded=sharded)
+        call.epoch = epoch
         call.settle = lambda summary: self._instrument.collective(
             lambda: "the reading of the call header", call.number, settle, call, self._comm, self.options,
             self._plan, summary)
@@ -379,6 +385,16 @@ class DistributedGradReducer:
             call.head = "ahead" if info.asynchronous or info.sharded else "sent"
         self.nonfinite = False
         return call
+
+    def _check(self, grads: Any) -> tuple[Any, Checked]:
+        """The full local checks of ``grads``; any other iterable is first made a list, which is returned."""
+        if grads is not None and not isinstance(grads, (list, tuple, Mapping, str, bytes)):
+            try:  # any iterable, e.g. (p.grad for p in params)
+                grads = list(grads)
+            except Exception as exc:  # reported through the agreement, on every rank
+                return grads, Checked(TypeError(f"grads: iterating over it raised {exc!r}"))
+        aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
+        return grads, check_grads(grads, self._plan, aliasing)
 
     def _reduce(self, call: Call, tune: bool = True) -> None:
         """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning (blocking calls)."""

@@ -189,7 +189,7 @@ class Sharder:
             if send is None and b.wire_dtype != b.dtype:  # compressed: reduce-scattered uncompressed
                 send = self._widened(k, members)
             elif send is None:
-                send = self._packed(k, members)
+                send = self._packed(k, members, call.epoch)
             if send.dtype.itemsize == 2:  # MPI has no half-precision sum: reduce-scatter in float32
                 send = self._widened(k, [send])
             received = self._received[k]
@@ -231,11 +231,11 @@ class Sharder:
             scaled_copy(flat, wide[o: o + flat.shape[0]])
         return wide
 
-    def _packed(self, k: int, members: Sequence[Any]) -> np.ndarray:
-        """Bucket ``k``'s members in one host buffer of its wire dtype."""
+    def _packed(self, k: int, members: Sequence[Any], epoch: int | None) -> np.ndarray:
+        """Bucket ``k``'s members in one host buffer of its wire dtype (``epoch``: the call's replay epoch)."""
         f = self.plan.buffers[k]
         if backend.is_host(f.bucket.device):
-            f.pack(members)
+            f.pack(members, epoch=epoch)
             return f.buffer
         host = np.empty(f.bucket.count, f.bucket.wire_dtype)  # staged through host memory
         for g, o, n in zip(members, f.bucket.offsets, f.bucket.sizes, strict=True):

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import ctypes
-import operator
 import os
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +22,6 @@ SPLIT_MEAN_BYTES = 256 << 10
 #: Members of a host bucket from which :class:`Gather` copies them in and out
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
 GATHER_MEMBERS = 8
-
-_contiguous = operator.attrgetter("flags.c_contiguous")
 
 
 def allreduce(
@@ -103,25 +99,31 @@ class Gather:
     """Copies a bucket's host members into its contiguous buffer, and back, in one MPI call each way.
 
     An ``hindexed`` datatype over the members' absolute addresses is built
-    when the members change (they are recognised by identity, through weak
-    references: the caller's arrays are not kept alive) and moved by
-    ``Sendrecv`` on a private duplicate of ``COMM_SELF``. For 1000 arrays of
-    4 KiB MPICH takes 0.17 ms each way where ``np.copyto`` per member takes
-    0.73 ms and ``np.concatenate`` 0.36 ms (one process; docs/performance.rst).
+    for each call's members and moved by ``Sendrecv`` on a private duplicate
+    of ``COMM_SELF``; it is kept for the next call only when both calls pass
+    the same *epoch*: the members are then proven the same objects with the
+    same data pointers, shapes and strides (:class:`~.replay.Replay`), so that
+    it still covers their memory. For 1000 arrays of 4 KiB MPICH takes
+    0.17 ms each way where ``np.copyto`` per member takes 0.73 ms and
+    ``np.concatenate`` 0.36 ms (one process; docs/performance.rst).
 
     Args:
-        local: a duplicate of ``COMM_SELF`` that only gathers use.
+        local: a duplicate of ``COMM_SELF`` for the reducer's local copies.
         tag: the bucket's tag on ``local`` (taken modulo 32768, the least upper bound MPI guarantees).
     """
 
     def __init__(self, local: MPI.Intracomm, tag: int) -> None:
         self._local, self._tag = local, tag % 32768
-        self._refs: list[weakref.ref[Any]] = []
+        self._epoch: int | None = None
         self._type: MPI.Datatype | None = None
 
-    def pack(self, members: Sequence[Any], buffer: np.ndarray) -> bool:
-        """Copy ``members`` (in order, back to back) into ``buffer``; False (nothing done) when they cannot be."""
-        dt = self._datatype(members, buffer)
+    def pack(self, members: Sequence[Any], buffer: np.ndarray, epoch: int | None = None) -> bool:
+        """Copy ``members`` (in order, back to back) into ``buffer``; False (nothing done) when they cannot be.
+
+        ``epoch``: the members are the armed gradients of this replay epoch
+        (None: nothing is known of them).
+        """
+        dt = self._datatype(members, buffer, epoch)
         if dt is None:
             return False
         self._local.Sendrecv([MPI.BOTTOM, 1, dt], 0, self._tag, [buffer, MPI.BYTE], 0, self._tag)
@@ -133,7 +135,7 @@ class Gather:
         ``just_packed``: the caller vouches that ``members`` are what the last
         successful :meth:`pack` copied, in the same call, so they are not looked at again.
         """
-        dt = self._type if just_packed else self._datatype(members, buffer)
+        dt = self._type if just_packed else self._datatype(members, buffer, None)
         if dt is None:
             return False
         self._local.Sendrecv([buffer, MPI.BYTE], 0, self._tag, [MPI.BOTTOM, 1, dt], 0, self._tag)
@@ -143,25 +145,20 @@ class Gather:
         """Release the datatype (it is rebuilt when needed)."""
         if self._type is not None:
             self._type.Free()
-        self._type, self._refs = None, []
+        self._type, self._epoch = None, None
 
-    def _datatype(self, members: Sequence[Any], buffer: np.ndarray) -> MPI.Datatype | None:
-        """The datatype over ``members``, or None unless they are C-contiguous numpy arrays filling ``buffer``.
-
-        An array's memory never moves while it lives, so the datatype stays
-        right as long as the same (still C-contiguous) arrays come.
-        """
-        refs = self._refs
-        if len(refs) == len(members) and all(map(operator.is_, [r() for r in refs], members)):
-            return self._type if all(map(_contiguous, members)) else None
+    def _datatype(self, members: Sequence[Any], buffer: np.ndarray, epoch: int | None) -> MPI.Datatype | None:
+        """The datatype over ``members``, or None unless they are C-contiguous numpy arrays filling ``buffer``."""
+        if epoch is not None and epoch == self._epoch:
+            return self._type  # the same arrays, where they were (None: they cannot be gathered)
         self.free()
+        self._epoch = epoch
         if not all(type(g) is np.ndarray and g.flags.c_contiguous for g in members):
             return None
         sizes = [g.nbytes for g in members]
         if sum(sizes) != buffer.nbytes or any(g.base is not None and np.may_share_memory(g, buffer) for g in members):
             return None  # a member that lies in the buffer itself is copied by numpy
         self._type = MPI.BYTE.Create_hindexed(sizes, [MPI.Get_address(g) for g in members]).Commit()
-        self._refs = [weakref.ref(g) for g in members]
         return self._type
 
 

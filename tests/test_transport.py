@@ -55,11 +55,11 @@ def _members(rng, count, dtype="float64"):
 def test_gather_copies_members_both_ways_and_rebuilds_when_they_change(local, dtype):
     rng = np.random.default_rng(7)
     g = transport.Gather(local, tag=3)
-    for _ in range(3):  # new arrays each round: the datatype is rebuilt
+    for epoch in (None, 1, 2):  # new arrays each round: the datatype is rebuilt
         members = _members(rng, 50, dtype)
         buf = np.empty(sum(m.size for m in members), dtype)
-        for just_packed in (False, True):  # the same arrays again: the datatype is reused
-            assert g.pack(members, buf)
+        for just_packed in (False, True):  # the same arrays again: reused within an epoch, else rebuilt
+            assert g.pack(members, buf, epoch)
             np.testing.assert_array_equal(buf, np.concatenate(members))
             expected = rng.standard_normal(buf.shape[0]).astype(dtype)
             buf[...] = expected

@@ -1,0 +1,221 @@
+"""The replay of a verdict for the same gradients: sound against every way a user can change them in place.
+
+A call whose gradients are the last call's objects, unchanged, skips the local
+checks. These tests change the gradients the ways users do (reassigned
+shape, strides or dtype, a read-only flag, a resize, a new object, a torch
+tensor's storage swapped) on one rank while the others replay: every rank
+must then get correct results, or the same clear error with nothing modified.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import WORLD, everywhere
+from mpi_gradreducer import DistributedGradReducer
+from mpi_gradreducer.replay import Replay, numpy_layout
+from mpi_gradreducer.validation import check_grads
+
+pytestmark = pytest.mark.mpi
+
+#: Twelve small gradients: one bucket of many members, copied by one MPI call each way.
+SHAPES = [(3, 2), (4,), (2, 2, 2)] + [(5,)] * 9
+
+
+def _value(comm: MPI.Comm) -> float:
+    return 1.0 + comm.Get_rank()
+
+
+def _mean(comm: MPI.Comm) -> float:
+    """The result with ``degree = size + 1``: never a rank's own value, even on one rank."""
+    n = comm.Get_size()
+    return (n + n * (n - 1) / 2) / (n + 1)
+
+
+def _fill(grads, value: float) -> None:
+    for g in grads:
+        g[...] = value
+
+
+def _armed(reducer, grads, comm, fill=_fill) -> None:
+    """Three good calls with the same arrays; the last is a replay."""
+    for _ in range(3):
+        fill(grads, _value(comm))
+        reducer(grads)
+        assert all(np.allclose(np.asarray(g), _mean(comm)) for g in grads)
+    assert reducer._replay.recall(grads) is not None
+
+
+def _reducer(comm: MPI.Comm) -> DistributedGradReducer:
+    return DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], group=comm, degree=comm.Get_size() + 1)
+
+
+def _restore(g: np.ndarray, kept: list) -> None:
+    """New memory under the same array object and shape, as unpickling into it gives (``kept``: keeps memory busy).
+
+    (A numpy array that is weakly referenced, as the reducer's are, refuses ``resize``.)
+    """
+    shape, dtype, at = g.shape, g.dtype, g.__array_interface__["data"][0]
+    g.__setstate__(np.zeros(1 << 16, dtype).__reduce__()[2])
+    kept.append(np.empty(shape, dtype))  # takes the freed small buffer, which numpy would hand out again
+    g.__setstate__(np.zeros(shape, dtype).__reduce__()[2])
+    assert g.__array_interface__["data"][0] != at
+
+
+CHANGES = {
+    # kind: (change on the changing rank, expected error or None for correct results)
+    "shape": (lambda g, kept: setattr(g[0], "shape", (2, 3)), (ValueError, r"grads\[0\]: expected shape \(3, 2\)")),
+    "dtype": (lambda g, kept: setattr(g[1], "dtype", np.int32), (TypeError, r"grads\[1\]: expected dtype float32")),
+    "readonly": (lambda g, kept: g[2].setflags(write=False), (ValueError, r"grads\[2\] is read-only")),
+    "replaced": (lambda g, kept: g.__setitem__(3, np.zeros(5, np.float32)), None),
+    "restored": (lambda g, kept: _restore(g[4], kept), None),
+    "aliased": (lambda g, kept: g.__setitem__(5, g[6]), (ValueError, r"grads\[5\] and grads\[6\] share memory")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(CHANGES))
+def test_a_rank_whose_arrays_changed_takes_the_full_path(kind):
+    comm = WORLD
+    changer = comm.Get_size() - 1
+    with _reducer(comm) as reducer:
+        grads = [np.zeros(s, np.float32) for s in SHAPES]
+        _armed(reducer, grads, comm)
+        change, expected = CHANGES[kind]
+        kept: list = []
+        if comm.Get_rank() == changer:
+            change(grads, kept)
+        _fill([g for g in grads if g.flags.writeable], _value(comm))
+        if expected is None:
+            reducer(grads)
+            assert all(np.allclose(g, _mean(comm)) for g in grads)
+        else:
+            before = [g.copy() for g in grads]
+            with pytest.raises(expected[0], match=expected[1]):
+                reducer(grads)
+            assert all(map(np.array_equal, grads, before)), "an array was modified"
+        grads = [np.zeros(s, np.float32) for s in SHAPES]  # and the reducer goes on
+        _armed(reducer, grads, comm)
+
+
+def test_strides_reassigned_over_a_larger_buffer_are_followed():
+    """A view whose strides are reassigned covers other memory: results land there, nowhere else."""
+    comm = WORLD
+    with _reducer(comm) as reducer:
+        block = np.zeros(64, np.float32)
+        grads = [block[:6].reshape(3, 2)] + [np.zeros(s, np.float32) for s in SHAPES[1:]]
+        _armed(reducer, grads, comm)
+        if comm.Get_rank() == comm.Get_size() - 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # numpy 2.4 deprecates it, and allows it
+                grads[0].strides = (16, 8)
+        block[...] = -7.0
+        _fill(grads, _value(comm))
+        reducer(grads)
+        assert all(np.allclose(g, _mean(comm)) for g in grads)
+        outside = np.ones(64, bool)
+        step0, step1 = (s // 4 for s in grads[0].strides)
+        outside[[step0 * i + step1 * j for i in range(3) for j in range(2)]] = False
+        assert np.all(block[outside] == -7.0), "memory outside the gradient was written"
+
+
+def test_a_collected_gradient_voids_the_memory():
+    comm = WORLD
+    with _reducer(comm) as reducer:
+        grads = [np.zeros(s, np.float32) for s in SHAPES]
+        _armed(reducer, grads, comm)
+        del grads[7]
+        grads.insert(7, np.zeros(5, np.float32))  # may lie where the old one did
+        assert reducer._replay.recall(grads) is None
+        _fill(grads, _value(comm))
+        reducer(grads)
+        assert all(np.allclose(g, _mean(comm)) for g in grads)
+
+
+@pytest.mark.parametrize("layout", [True, False])
+def test_replay_refuses_every_change_in_place(layout):
+    """Serially, both ways of reading numpy's state: each change voids the replay, and only that."""
+    local = MPI.COMM_SELF.Dup()
+    try:
+        params = [np.zeros(s, np.float32) for s in SHAPES]
+        with DistributedGradReducer(params, group=MPI.COMM_SELF, timeout=None) as reducer:
+            plan = reducer._plan
+            for change in [lambda g: setattr(g[0], "shape", (6,)), lambda g: setattr(g[1], "dtype", np.int32),
+                           lambda g: g[2].setflags(write=False), lambda g: g[4].__setstate__(np.zeros(9, np.float32).__reduce__()[2]),
+                           lambda g: g.__setitem__(3, np.zeros(5, np.float32))]:
+                replay = Replay(local, layout=layout)
+                grads = [np.zeros(s, np.float32) for s in SHAPES]
+                for _ in range(2):
+                    assert replay.recall(grads) is None
+                    replay.remember(grads, check_grads(grads, plan, True))
+                assert replay.recall(grads) is not None
+                assert replay.recall(list(grads)) is not None  # a new list of the same arrays
+                change(grads)
+                assert replay.recall(grads) is None
+                replay.forget()
+    finally:
+        local.Free()
+
+
+def test_numpy_layout_is_confirmed_here():
+    """On CPython with numpy's ABI the states are read from the objects (the fast proof is the one tested)."""
+    assert numpy_layout() is not None
+
+
+# -- torch --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def torch():
+    """torch, when every rank has it; else the test skips on every rank."""
+    try:
+        import torch as th
+    except Exception:  # missing or broken: the same skip everywhere, decided together
+        th = None
+    if not everywhere(th is not None):
+        pytest.skip("needs torch on every rank")
+    return th
+
+
+def _torch_fill(grads, value: float) -> None:
+    for g in grads:
+        g.fill_(value)
+
+
+TORCH_CHANGES = {
+    "data": (lambda th, g: setattr(g[0], "data", th.zeros(3, 2)), None),
+    "set_": (lambda th, g: g[1].set_(th.zeros(4)), None),
+    "resize_": (lambda th, g: g[4].resize_(2), (ValueError, r"grads\[4\]: expected shape \(5,\)")),
+    "t_": (lambda th, g: g[0].t_(), (ValueError, r"grads\[0\]: expected shape \(3, 2\)")),
+    "requires_grad": (lambda th, g: g[2].requires_grad_(), (TypeError, r"grads\[2\]: .*requires grad")),
+    "dtype": (lambda th, g: setattr(g[3], "data", g[3].view(th.int32)), (TypeError, r"grads\[3\]: expected dtype")),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(TORCH_CHANGES))
+def test_a_torch_tensor_changed_in_place_takes_the_full_path(torch, kind):
+    comm = WORLD
+    changer = comm.Get_size() - 1
+    with DistributedGradReducer([torch.zeros(s) for s in SHAPES], group=comm, degree=comm.Get_size() + 1) as reducer:
+        grads = [torch.zeros(s) for s in SHAPES]
+        _armed(reducer, grads, comm, _torch_fill)
+        kept = [g.data for g in grads]  # the storages as they were
+        change, expected = TORCH_CHANGES[kind]
+        if comm.Get_rank() == changer:
+            change(torch, grads)
+        with torch.no_grad():
+            _torch_fill(grads, _value(comm))
+        _torch_fill(kept, _value(comm))
+        if expected is None:
+            reducer(grads)
+            assert all(torch.allclose(g, torch.tensor(_mean(comm))) for g in grads)
+            moved = [k for k, g in zip(kept, grads) if k.data_ptr() != g.data_ptr()]
+            assert all(bool(torch.all(k == _value(comm))) for k in moved), "an old storage was written"
+        else:
+            before = [g.detach().clone() for g in grads]
+            with pytest.raises(expected[0], match=expected[1]):
+                reducer(grads)
+            assert all(torch.equal(g.detach(), b) for g, b in zip(grads, before)), "a tensor was modified"
