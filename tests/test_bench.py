@@ -18,7 +18,8 @@ from mpi_gradreducer.bench.torch_methods import torch_ingestion
 
 pytestmark = pytest.mark.mpi
 
-ALWAYS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard")
+ALWAYS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-fresh",
+          "reducer-shard")
 
 
 def _shared_tempdir() -> str:
@@ -67,6 +68,8 @@ def test_main_writes_every_method_with_positive_times(run):
     assert res["methods"]["limit"]["ratio_to_limit"] == 1.0
     assert math.isfinite(res["validation_cost_percent"])
     assert res["reducer_over_floor"] > 0 and res["messages"]["packed-floor"] == 1
+    assert res["fresh_over_reducer"] == pytest.approx(
+        res["methods"]["reducer-fresh"]["median_ms"] / res["methods"]["reducer"]["median_ms"])
     assert returned["workloads"]["many-small"]["methods"].keys() == res["methods"].keys()
 
 

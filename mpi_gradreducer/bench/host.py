@@ -30,6 +30,11 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     cross-rank validation (printed as ``< noise`` when it comes out negative).
 ``reducer-views``
     The reducer on the arrays of ``reducer.allocate_grads()`` (no copies).
+``reducer-fresh``
+    The first call after the arrays change: the reducer alternately on two
+    lists of distinct arrays, so that no call gets the previous call's arrays
+    (which ``reducer`` gets from its third call on, and replays: see
+    :mod:`mpi_gradreducer.replay`). Reported also as ``reducer-fresh / reducer``.
 ``packed-floor``
     The least that any reducer which packs separate arrays must do, written
     by hand with nothing else: one copy of all gradients into a preallocated
@@ -100,8 +105,8 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
-METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-shard",
-           "reducer-torch", "torch-gloo", *powersgd.POWERSGD_METHODS)
+METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-fresh",
+           "reducer-shard", "reducer-torch", "torch-gloo", *powersgd.POWERSGD_METHODS)
 #: What runs without ``--methods``: all but PowerSGD's.
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in powersgd.POWERSGD_METHODS)
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
@@ -183,11 +188,27 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
         views = r.allocate_grads()
         m.cases.append(Case("reducer-views", filler(views, value), partial(r, views),
                             partial(all_close, views, mean)))
+    if "reducer-fresh" in methods:
+        _add_fresh(comm, grads, m)
     if "reducer-shard" in methods:
         r = m.reducers["reducer-shard"] = DistributedGradReducer(grads, group=comm)
         params = [np.empty_like(g) for g in grads]
         m.cases.append(Case("reducer-shard", filler(grads, value), partial(_shard_step, r, grads, params),
                             lambda: all_close(params, mean)))
+
+
+def _add_fresh(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
+    """``reducer-fresh``: every call with other arrays than the call before (two lists, in turn)."""
+    r = m.reducers["reducer-fresh"] = DistributedGradReducer(grads, group=comm)
+    lists = [[np.zeros_like(g) for g in grads], [np.zeros_like(g) for g in grads]]
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    turn = [0]
+
+    def prepare() -> None:
+        turn[0] ^= 1
+        filler(lists[turn[0]], value)()
+
+    m.cases.append(Case("reducer-fresh", prepare, lambda: r(lists[turn[0]]), lambda: all_close(lists[turn[0]], mean)))
 
 
 def _add_torch_reducer(comm: MPI.Intracomm, grads: list[np.ndarray], unsupported: str | None, m: _Methods) -> None:
@@ -315,6 +336,7 @@ def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -
              "reducer_over_one_allreduce": ("reducer", _WHOLE),
              "always_over_never": ("reducer", "reducer-novalidate"),
              "reducer_over_floor": ("reducer", "packed-floor"),
+             "fresh_over_reducer": ("reducer-fresh", "reducer"),
              "shard_over_reducer": ("reducer-shard", "reducer")}
     return {key: results[a]["median_ms"] / results[b]["median_ms"]
             for key, (a, b) in pairs.items() if a in times and b in times}
@@ -384,6 +406,9 @@ def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
     if "reducer_over_floor" in res:
         lines.append(f"  reducer / packed-floor = {res['reducer_over_floor']:.2f} "
                      "(against the least a reducer that packs must do)")
+    if "fresh_over_reducer" in res:
+        lines.append(f"  reducer-fresh / reducer = {res['fresh_over_reducer']:.2f} "
+                     "(the first call after the arrays change, against the same arrays again)")
     if name == "small" and "always_over_never" in res:
         lines.append(f"  validate=\"always\" / validate=\"never\" = {res['always_over_never']:.2f}")
     if "validation_cost_percent" in res:
