@@ -70,7 +70,7 @@ class Layout(NamedTuple):
     dims: int
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def numpy_layout() -> Layout | None:
     """numpy's array object layout (``PyArrayObject_fields``, part of its ABI), checked on probe arrays.
 
@@ -177,7 +177,7 @@ _tensor_facts = operator.attrgetter("shape", "dtype", "device", "requires_grad")
 
 
 def _tensor_states(objs: Sequence[Any]) -> list[Any]:
-    return list(zip(map(_data_ptr, objs), map(_stride, objs), map(_tensor_facts, objs)))
+    return list(zip(map(_data_ptr, objs), map(_stride, objs), map(_tensor_facts, objs), strict=True))
 
 
 def _interface_states(objs: Sequence[Any]) -> list[Any]:
@@ -196,12 +196,14 @@ class _Dead:
         self.dead = True
 
 
+#: How to read the states of some entries, which entries (from ``grads``), and their recorded states.
+_Check = tuple[Callable[[Sequence[Any]], list[Any]], Callable[[Sequence[Any]], Any], list[Any]]
+
+
 class _Armed:
     """A verdict, the objects it is for, and how to tell that they are unchanged."""
 
-    def __init__(self, checked: Checked, numpy: _NumpyStates | None,
-                 others: list[tuple[Callable[[Sequence[Any]], list[Any]], Callable[[Sequence[Any]], Any], list[Any]]],
-                 foreign: bool) -> None:
+    def __init__(self, checked: Checked, numpy: _NumpyStates | None, others: list[_Check], foreign: bool) -> None:
         self.checked = checked
         self.numpy = numpy
         self.others = others
@@ -303,7 +305,7 @@ class Replay:
         layout = numpy_layout() if self._layout else None
         if layout is None:  # numpy arrays through their interfaces
             interfaces, plain = interfaces + plain, []
-        others = []
+        others: list[_Check] = []
         for states, positions in ((_tensor_states, tensors), (_interface_states, interfaces)):
             if positions:
                 take = _taker(positions)

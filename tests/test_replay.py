@@ -144,7 +144,8 @@ def test_replay_refuses_every_change_in_place(layout):
         with DistributedGradReducer(params, group=MPI.COMM_SELF, timeout=None) as reducer:
             plan = reducer._plan
             for change in [lambda g: setattr(g[0], "shape", (6,)), lambda g: setattr(g[1], "dtype", np.int32),
-                           lambda g: g[2].setflags(write=False), lambda g: g[4].__setstate__(np.zeros(9, np.float32).__reduce__()[2]),
+                           lambda g: g[2].setflags(write=False),
+                           lambda g: g[4].__setstate__(np.zeros(9, np.float32).__reduce__()[2]),
                            lambda g: g.__setitem__(3, np.zeros(5, np.float32))]:
                 replay = Replay(local, layout=layout)
                 grads = [np.zeros(s, np.float32) for s in SHAPES]
@@ -212,10 +213,10 @@ def test_a_torch_tensor_changed_in_place_takes_the_full_path(torch, kind):
         if expected is None:
             reducer(grads)
             assert all(torch.allclose(g, torch.tensor(_mean(comm))) for g in grads)
-            moved = [k for k, g in zip(kept, grads) if k.data_ptr() != g.data_ptr()]
+            moved = [k for k, g in zip(kept, grads, strict=True) if k.data_ptr() != g.data_ptr()]
             assert all(bool(torch.all(k == _value(comm))) for k in moved), "an old storage was written"
         else:
             before = [g.detach().clone() for g in grads]
             with pytest.raises(expected[0], match=expected[1]):
                 reducer(grads)
-            assert all(torch.equal(g.detach(), b) for g, b in zip(grads, before)), "a tensor was modified"
+            assert all(torch.equal(g.detach(), b) for g, b in zip(grads, before, strict=True)), "a tensor was modified"
