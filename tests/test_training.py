@@ -1,11 +1,13 @@
 """The digits demo: data-parallel training equals single-process training, and it learns.
 
-The training code lives in ``scripts/train_digits.py`` (a self-contained
-script); it is loaded here from its file.
+The demo is ``scripts/train_digits.py`` (its data and model in
+``scripts/digits_model.py``); the checks that compare it with one process
+are ``scripts/check_training.py``. They are imported here from ``scripts/``.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import io
 import json
@@ -14,7 +16,6 @@ import shutil
 import sys
 import tempfile
 from contextlib import redirect_stdout
-from types import ModuleType
 
 import numpy as np
 import pytest
@@ -23,19 +24,13 @@ from mpi4py import MPI
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD
-SCRIPT = os.path.join(os.path.dirname(__file__), os.pardir, "scripts", "train_digits.py")
+SCRIPTS = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+CHECK_SCRIPT = os.path.join(SCRIPTS, "check_training.py")
 
-
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-td = _load_script()
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)  # the scripts import one another, as when run from there
+td = importlib.import_module("train_digits")
+ct = importlib.import_module("check_training")
 
 #: The same answer on every rank (one environment), so skips agree.
 HAVE_SKLEARN = importlib.util.find_spec("sklearn") is not None
@@ -74,17 +69,17 @@ def test_data_parallel_equals_single_process(ranks: int, kind: str, request: pyt
     comm = _groups_of(ranks)
     try:
         assert comm.Get_size() == ranks
-        diff = td.check_equivalence(comm, data, steps=25, batch_size=60)
+        diff = ct.check_equivalence(comm, data, steps=25, batch_size=60)
     finally:
         comm.Free()
-    assert diff <= td.EQUIVALENCE_TOLERANCE
+    assert diff <= ct.EQUIVALENCE_TOLERANCE
 
 
 @pytest.mark.parametrize("batch_size", [7, 61])
 def test_uneven_shares_still_equal_single_process(batch_size: int) -> None:
     """Global batches that the ranks cannot share evenly (a rank may even get nothing)."""
-    diff = td.check_equivalence(WORLD, _synthetic(1), steps=12, batch_size=batch_size, seed=3)
-    assert diff <= td.EQUIVALENCE_TOLERANCE
+    diff = ct.check_equivalence(WORLD, _synthetic(1), steps=12, batch_size=batch_size, seed=3)
+    assert diff <= ct.EQUIVALENCE_TOLERANCE
 
 
 @pytest.mark.mpi(min_size=2)
@@ -94,7 +89,7 @@ def test_the_tolerance_catches_a_wrong_split() -> None:
     x = data.x_train.astype(np.float64)
     params = td.init_params(64, 128, 10, 0, np.float64)
     start = [p.copy() for p in params]
-    alone = td.Trainer(None, [p.copy() for p in params], 0.05, 0.9)
+    alone = ct.Alone([p.copy() for p in params], 0.05, 0.9)
     wrong = td.Trainer(WORLD, params, 0.05, 0.9)
     for batch in td.global_batches(len(x), 64, 0, 0)[:5]:
         first = td.my_share(batch, 0, WORLD.Get_size())
@@ -104,7 +99,7 @@ def test_the_tolerance_catches_a_wrong_split() -> None:
     moved = max(float(np.max(np.abs(a - b))) for a, b in zip(alone.params, start, strict=True))
     off = max(float(np.max(np.abs(a - b))) for a, b in zip(wrong.params, alone.params, strict=True))
     assert moved > 1e-2
-    assert off > 1e3 * td.EQUIVALENCE_TOLERANCE
+    assert off > 1e3 * ct.EQUIVALENCE_TOLERANCE
 
 
 def test_loss_travels_with_the_gradients() -> None:
@@ -148,7 +143,7 @@ def test_command_line_prints_accuracy_and_writes_plot_and_timeline() -> None:
     with redirect_stdout(out):
         status = td.main(["--epochs", "1", "--no-progress", "--plot", png, "--timeline", trace])
     with redirect_stdout(io.StringIO()):
-        check = td.main(["--check-equivalence", "--steps", "5"])
+        check = ct.main(["--equivalence", "--steps", "5"])
     text = out.getvalue()
     verdict = None
     if WORLD.Get_rank() == 0:
@@ -186,12 +181,12 @@ def test_overlapped_steps_give_bitwise_the_same_parameters() -> None:
 
 def test_sharded_optimizer_and_uneven_shares_equal_their_references() -> None:
     data = _synthetic(4)
-    diff, state, full = td.check_shard(WORLD, data, steps=6, batch_size=48)
-    assert diff <= td.EQUIVALENCE_TOLERANCE
+    diff, state, full = ct.check_shard(WORLD, data, steps=6, batch_size=48)
+    assert diff <= ct.EQUIVALENCE_TOLERANCE
     assert state <= full / WORLD.Get_size() * 1.05 + 8 * 64  # momentum for this rank's pieces only
-    diff, contributors = td.check_uneven(WORLD, data, steps=5, batch_size=48)
-    assert diff <= td.EQUIVALENCE_TOLERANCE
-    counts = td.uneven_counts(WORLD.Get_size(), 5)
+    diff, contributors = ct.check_uneven(WORLD, data, steps=5, batch_size=48)
+    assert diff <= ct.EQUIVALENCE_TOLERANCE
+    counts = ct.uneven_counts(WORLD.Get_size(), 5)
     assert contributors == [sum(n > c for n in counts) for c in range(max(counts))]
 
 
@@ -209,7 +204,7 @@ def test_command_line_shard_and_uneven_under_mpiexec() -> None:
            if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_GRADREDUCER_", "MPI4PY_"))
            and k != "PYTHONUNBUFFERED"}
     env["PYTHONPATH"] = root
-    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", SCRIPT, "--shard", "--uneven",
+    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", CHECK_SCRIPT, "--shard", "--uneven",
                              "--steps", "8"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
@@ -222,7 +217,7 @@ def test_command_line_shard_and_uneven_under_mpiexec() -> None:
     shard = re.search(r"^shard: optimizer state per rank (\d+) bytes \(max over ranks\) vs (\d+) unsharded = "
                       r"1/([\d.]+) \(4 ranks\); max \|difference\| sharded vs unsharded = (\S+) \(ok", out, re.M)
     assert shard, out
-    assert 3.8 <= float(shard.group(3)) <= 4.0 and float(shard.group(4)) <= td.EQUIVALENCE_TOLERANCE
+    assert 3.8 <= float(shard.group(3)) <= 4.0 and float(shard.group(4)) <= ct.EQUIVALENCE_TOLERANCE
     uneven = re.search(r"^uneven: batches per rank \[8, 7, 6, 5\], contributors per call "
                        r"\[4, 4, 4, 4, 4, 3, 2, 1\]; max \|difference\| vs one process = (\S+) \(ok", out, re.M)
-    assert uneven and float(uneven.group(1)) <= td.EQUIVALENCE_TOLERANCE, out
+    assert uneven and float(uneven.group(1)) <= ct.EQUIVALENCE_TOLERANCE, out
