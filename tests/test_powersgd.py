@@ -205,7 +205,7 @@ def test_a_joined_rank_contributes_nothing_and_keeps_its_error():
 @pytest.mark.mpi(min_size=1)
 def test_state_saved_at_call_15_reproduces_calls_16_to_30_bit_for_bit():
     config = PowerSGD(rank=2, start_iter=10, seed=1)
-    params = _params(SHAPES64, np.float64) + _params(SHAPES32, np.float32)
+    params = _params(SHAPES64, np.float64)  # (fewer messages per call than with float32 ones too: 45 calls)
     rng = np.random.default_rng(31 + WORLD.Get_rank())
     batches = [_grads(rng, params) for _ in range(30)]
     with DistributedGradReducer(params, compression=config) as first:
