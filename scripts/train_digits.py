@@ -6,6 +6,7 @@ with ``DistributedGradReducer``, so every rank takes the same step::
 
     mpiexec -n 4 python scripts/train_digits.py
     mpiexec -n 4 python scripts/train_digits.py --overlap --plot curves.png --timeline trace.json
+    mpiexec -n 4 python scripts/train_digits.py --powersgd 1   # also with PowerSGD(rank=1): curves side by side
 
 It reads top to bottom: data, model, reducer, training loop, report. The
 data set and the model (a 64-128-10 perceptron, backward by hand) are in
@@ -21,7 +22,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -29,7 +30,7 @@ from digits_model import Data, Momentum, accuracy, forward_backward, init_params
 from digits_report import plot, progress_bar
 from mpi4py import MPI
 
-from mpi_gradreducer import DistributedGradReducer, broadcast_parameters
+from mpi_gradreducer import DistributedGradReducer, PowerSGD, broadcast_parameters
 from mpi_gradreducer.timeline import Timeline
 
 # -- data: each rank's share of every global batch -----------------------------------------
@@ -60,13 +61,14 @@ class Trainer:
     """
 
     def __init__(self, comm: MPI.Intracomm, params: list[np.ndarray], lr: float, momentum: float,
-                 overlap: bool = False) -> None:
+                 overlap: bool = False, powersgd: int = 0) -> None:
         self.comm = comm
         self.params = params
         self.overlap = overlap
         self.optimizer = Momentum(params, lr, momentum)
         slots = params + [np.zeros(1, params[0].dtype)]  # the gradients, then the loss
-        self.reducer = DistributedGradReducer(slots, group=comm)
+        low_rank = PowerSGD(rank=powersgd, start_iter=POWERSGD_START) if powersgd else None  # 0: uncompressed
+        self.reducer = DistributedGradReducer(slots, group=comm, compression=low_rank)
         self.grads = self.reducer.allocate_grads()  # views into the fusion buffer: reduced where they lie
         self._step: Any = None
 
@@ -108,6 +110,9 @@ class Trainer:
 
 # -- training loop ------------------------------------------------------------------------
 
+#: With ``--powersgd``, the steps before this one are reduced uncompressed.
+POWERSGD_START = 10
+
 
 @dataclass
 class Settings:
@@ -121,6 +126,7 @@ class Settings:
     seed: int = 0
     overlap: bool = False
     dtype: Any = np.float32
+    powersgd: int = 0  # the rank of PowerSGD's approximation; 0: uncompressed
 
 
 @dataclass
@@ -134,6 +140,7 @@ class Result:
     reduce_seconds: float = 0.0  # the reducer calls
     moving: dict[str, float] = field(default_factory=dict)  # reducer.stats: pack, Allreduce, unpack seconds
     reduced_bytes: int = 0  # handed to MPI per step
+    last_step_bytes: int = 0  # handed to MPI by the last step (with PowerSGD: a compressed one)
     messages: int = 0  # Allreduce messages per step (the reducer's buckets)
 
     @property
@@ -152,7 +159,7 @@ def train(comm: MPI.Intracomm, data: Data, settings: Settings, progress: bool = 
     rank, size = comm.Get_rank(), comm.Get_size()
     params = init_params(data.x_train.shape[1], settings.hidden, 10, settings.seed + rank, settings.dtype)
     broadcast_parameters(params, root=0, group=comm)  # each rank drew different weights: rank 0's win
-    trainer = Trainer(comm, params, settings.lr, settings.momentum, settings.overlap)
+    trainer = Trainer(comm, params, settings.lr, settings.momentum, settings.overlap, settings.powersgd)
     x_train = data.x_train.astype(settings.dtype)
     epochs = [global_batches(len(x_train), settings.batch_size, settings.seed, e) for e in range(settings.epochs)]
     bar = progress_bar(sum(len(b) for b in epochs)) if progress else None
@@ -165,8 +172,10 @@ def train(comm: MPI.Intracomm, data: Data, settings: Settings, progress: bool = 
             t0 = time.perf_counter()
             trainer.compute(x_train[mine], data.y_train[mine], len(batch))
             t1 = time.perf_counter()
+            sent = trainer.reducer.stats.bytes
             trainer.reduce()
             t2 = time.perf_counter()
+            result.last_step_bytes = trainer.reducer.stats.bytes - sent
             loss = trainer.update()
             t3 = time.perf_counter()
             result.compute_seconds += (t1 - t0) + (t3 - t2)
@@ -215,6 +224,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write loss and accuracy curves")
     p.add_argument("--timeline", metavar="JSON", help="write a Chrome trace of every rank's phases")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--powersgd", type=int, default=0, metavar="RANK",
+                   help=f"then train again with PowerSGD(rank=RANK, start_iter={POWERSGD_START}) and compare")
     return p
 
 
@@ -252,6 +263,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         say(f"curves: {args.plot}")
     if timeline is not None:
         say(f"timeline: {args.timeline} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.powersgd > 0:
+        low = train(comm, data, replace(settings, powersgd=args.powersgd), progress=rank == 0 and not args.no_progress)
+        say(f"PowerSGD(rank={args.powersgd}, start_iter={POWERSGD_START}): test accuracy {low.accuracies[-1]:.4f}; "
+            f"{low.last_step_bytes} bytes per compressed step against {result.last_step_bytes} "
+            f"(1/{result.last_step_bytes / max(1, low.last_step_bytes):.1f}; reducer.stats.bytes)")
+        say("test accuracy by epoch, uncompressed / PowerSGD: "
+            + ", ".join(f"{a:.3f}/{b:.3f}" for a, b in zip(result.accuracies, low.accuracies, strict=True)))
+        say("training loss by epoch, uncompressed / PowerSGD: " + ", ".join(
+            f"{np.mean(a):.3f}/{np.mean(b):.3f}" for a, b in zip(*(np.array_split(r.losses, settings.epochs)
+                                                                   for r in (result, low)), strict=True)))
     return 0
 
 

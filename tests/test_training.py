@@ -134,6 +134,16 @@ def test_training_on_digits_reaches_95_percent(digits: td.Data) -> None:
     assert low[0] == high[0]
 
 
+@pytest.mark.mpi(min_size=4)
+def test_training_with_powersgd_rank_1_reaches_95_percent(digits: td.Data) -> None:
+    """``--powersgd 1``: PowerSGD(rank=1, start_iter=10) in the demo's epochs, on 4 ranks (skipped on fewer)."""
+    result = td.train(WORLD, digits, td.Settings(epochs=10, powersgd=1))
+    assert result.accuracies[-1] >= 0.95
+    n_in, hidden, n_out = digits.x_train.shape[1], td.Settings.hidden, 10
+    # each weight matrix sends P and Q (rank 1); the biases and the loss go as they are; float32
+    assert result.last_step_bytes == 4 * ((n_in + hidden) + (hidden + n_out) + hidden + n_out + 1)
+
+
 @needs_sklearn
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib (the examples extra)")
 def test_command_line_prints_accuracy_and_writes_plot_and_timeline() -> None:
