@@ -90,6 +90,8 @@ class Options:
         progress: ``"auto"``, ``"thread"`` or ``"deferred"`` (as asked; the
             reducer decides ``"auto"`` collectively).
         powersgd: the low-rank compression (``compression=PowerSGD(...)``), or None.
+        deterministic: every element of every dense bucket is summed in rank
+            order, ``((g0 + g1) + g2) + ...``, whatever the buckets and chunks.
     """
 
     mean: bool
@@ -110,6 +112,7 @@ class Options:
     coalesce: bool
     progress: str
     powersgd: PowerSGD | None = None
+    deterministic: bool = False
 
     def divisor(self, contributors: int) -> int:
         """The divisor of a mean over ``contributors`` ranks."""
@@ -176,6 +179,7 @@ def resolve(
     coalesce: Any,
     progress: Any,
     stall_warning: Any = "env",
+    deterministic: Any = False,
 ) -> Options:
     """Check every argument of ``DistributedGradReducer`` and apply the defaults (local).
 
@@ -184,7 +188,7 @@ def resolve(
         size: the number of ranks of the group.
         mean, degree, fusion_type, fusion, split_indices, bucket_bytes, skip, validate, timeout,
             check_finite, cuda_aware, timeline, compression, predivide, coalesce, progress,
-            stall_warning: the constructor's arguments, as given.
+            stall_warning, deterministic: the constructor's arguments, as given.
 
     Raises:
         ValueError, TypeError: naming the argument, what was expected and what came.
@@ -217,6 +221,13 @@ def resolve(
         raise TypeError(f"timeline: expected a file name or None, got {type(timeline).__name__} {timeline!r}")
     if cuda_aware is not None and not isinstance(cuda_aware, (bool, np.bool_)):
         raise TypeError(f"cuda_aware: expected a bool or None, got {type(cuda_aware).__name__} {cuda_aware!r}")
+    if not isinstance(deterministic, (bool, np.bool_)):
+        raise TypeError(f"deterministic: expected a bool, got {type(deterministic).__name__} {deterministic!r}")
+    if deterministic:
+        devices = [i for i, s in enumerate(specs) if not backend.is_host(s.device)]
+        if devices:
+            raise ValueError(f"deterministic=True: expected host parameters only, got parameters[{devices[0]}] on "
+                             f"{specs[devices[0]].device}; device buckets are summed by MPI in its own order")
     if cuda_aware is None and any(not backend.is_host(s.device) for s in specs):
         cuda_aware = bool(cuda_aware_default()[0])
     return Options(
@@ -226,7 +237,7 @@ def resolve(
         check_finite=bool(check_finite), cuda_aware=bool(cuda_aware),
         timeline=os.fspath(timeline) if timeline is not None else os.environ.get(TIMELINE_ENV),
         compression=compression, predivide=None if predivide is None else float(predivide),
-        coalesce=bool(coalesce), progress=progress, powersgd=powersgd,
+        coalesce=bool(coalesce), progress=progress, powersgd=powersgd, deterministic=bool(deterministic),
     )
 
 
@@ -348,7 +359,8 @@ def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, .
     powersgd = (1, *options.powersgd.signature()) if options.powersgd is not None else (0,) * 7
     header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
               int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
-              int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd)
+              int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd,
+              int(options.deterministic))
     rows: list[tuple[int, ...]] = [header]
     for spec, fid, skip in zip(specs, options.ids, options.skip, strict=True):
         device_kind = 0 if backend.is_host(spec.device) else 1
@@ -363,7 +375,7 @@ def describe_row(index: int, row: tuple[int, ...]) -> str:
         return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
             f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r}, " \
             "degree given={}, check_finite={}, coalesce={}, timeline={}, ".format(*row[8:12]) + \
-            _describe_powersgd(row[12:19]) + ")"
+            _describe_powersgd(row[12:19]) + f", deterministic={row[19]})"
     dtype, fid, skip, device_kind, ndim, *shape = row
     return (
         f"shape {tuple(shape)} {SUPPORTED_NAMES[dtype]} on {'cpu' if device_kind == 0 else 'gpu'} "

@@ -63,6 +63,7 @@ class Context:
         self._message: Any = None  # the carrier's first message: header, then its head
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
+        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order sums, by dtype
         # a small first bucket is packed behind the header
         if carried and first is not None and first.count <= self.head_count():
             self._first_message()
@@ -83,17 +84,23 @@ class Context:
         b = self.plan.buffers[0].bucket
         return min(b.count, max(1, HEAD_BYTES // b.wire_dtype.itemsize))
 
-    def first_message(self, call: Call, head: Any = None, packed: bool = False) -> None:
+    def first_message(self, call: Call, head: Any = None, packed: bool = False, header: bool = True) -> None:
         """Sum the header (and the carrier's first elements, ``head``; zeros if None) and settle the call.
 
         ``packed``: ``head`` is the start of the carrier's own buffer, which
         may lie right behind the header already. Raises on every rank when
         some rank's input is bad; nothing of the caller's has been modified
-        then.
+        then. Without ``header``, the same message carries zeros in the
+        header's place: the head of a call whose header went ahead travels in
+        a message of the same length, at the same offset, and so is summed
+        to the same bits.
         """
         msg = self._first_message()
         slots = self._slots
-        call.local.write(slots)
+        if header:
+            call.local.write(slots)
+        else:
+            slots[...] = 0
         body = self._body
         same = packed and self.plan.buffers[0].buffer is body  # the carrier's buffer is the body itself
         if head is None:
@@ -101,11 +108,15 @@ class Context:
         elif not same:
             body[...] = head
         if self.comm.Get_size() > 1:
-            self.instrument.collective(self.describe(0), call.number,
-                                       self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
+            if self.options.deterministic:  # the header's sums are exact in any order
+                self.instrument.collective(self.describe(0), call.number, self.summer(msg.dtype), msg)
+            else:
+                self.instrument.collective(self.describe(0), call.number,
+                                           self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
         self.instrument.stats.messages += 1
-        assert call.settle is not None
-        call.settle(control.Summary.of(slots))
+        if header:
+            assert call.settle is not None
+            call.settle(control.Summary.of(slots))
         if head is not None:
             scaled_copy(body, body if same else head, call.scale)
             check = call.finite_check(self.plan.buffers[0].limit)
@@ -120,21 +131,38 @@ class Context:
         rank that has joined); elsewhere, or when the header went ahead on its
         own, nothing is taken.
         """
-        if k != self.carrier or call.head == "ahead":
+        if k != self.carrier:
             return data
         m = self.head_count()
         if call.head == "pending":
             self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer)
             call.head = "sent"
+        elif call.head == "ahead":
+            if call.info is None or call.info.sharded:
+                return data
+            self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer, header=False)
         return data[m:]
 
-    def allreduce(self, k: int, buf: Any, call: Call) -> None:
-        """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk."""
+    def summer(self, dtype: np.dtype) -> transport.OrderedSum:
+        """The rank-order summer of ``dtype`` on the reducer's communicator (made once)."""
+        summer = self._summers.get(dtype)
+        if summer is None:
+            summer = self._summers[dtype] = transport.OrderedSum(self.comm, dtype, transport.CHUNK_BYTES)
+        return summer
+
+    def allreduce(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
+        """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk.
+
+        ``every_chunk``: sum every chunk in rank order (as ``deterministic`` does), so that the
+        result does not depend on where the chunks begin.
+        """
         if call.void or buf.shape[0] == 0:
             return
         after = call.finite_check(self.plan.buffers[k].limit)
+        ordered = self.summer(buf.dtype) if isinstance(buf, np.ndarray) else None
         self.instrument.stats.messages += self.instrument.collective(
-            self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, after=after)
+            self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, after=after,
+            ordered=ordered, every_chunk=every_chunk or self.options.deterministic)
 
     def describe(self, k: int) -> Callable[[], str]:
         """What bucket ``k`` is, for the watchdog."""
@@ -200,9 +228,12 @@ class PackedPath:
         """Sum (and scale) the packed buffer of bucket ``k`` across ranks."""
         self.reduce_buffer(k, self.ctx.take_head(k, f.buffer, call), call)
 
-    def reduce_buffer(self, k: int, buf: Any, call: Call) -> None:
-        """The collective: sum (and scale) ``buf`` of bucket ``k`` in place, chunk by chunk, while in cache."""
-        self.ctx.allreduce(k, buf, call)
+    def reduce_buffer(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
+        """The collective: sum (and scale) ``buf`` of bucket ``k`` in place, chunk by chunk, while in cache.
+
+        ``every_chunk``: every chunk in rank order (see :meth:`Context.allreduce`).
+        """
+        self.ctx.allreduce(k, buf, call, every_chunk)
 
 
 class HostPath(PackedPath):
@@ -224,13 +255,16 @@ class HostPath(PackedPath):
                 continue
             t0 = time.perf_counter()
             run = self.ctx.take_head(ks[start], run, call)
-            joins = call.info is not None and call.info.runs  # the same on every rank
+            # The same on every rank. Which buckets go together in an asynchronous call depends on
+            # each rank's order of ready(): there, each bucket is its own run.
+            views = call.info is not None and call.info.runs
+            joins = views and not call.info.asynchronous
             while joins and end < len(ks) and (nxt := self._in_place(ks[end], call)) is not None:
                 joined = join_runs(run, nxt)
                 if joined is None:
                     break
                 run, end = joined, end + 1
-            self.reduce_buffer(ks[start], run, call)
+            self.reduce_buffer(ks[start], run, call, every_chunk=views)  # the same sums, joined or not
             t2 = time.perf_counter()
             self.ctx.record(call, ks[start:end], t0, t0, t2, t2)
             start = end
@@ -253,8 +287,8 @@ class HalfPath(HostPath):
         super().__init__(ctx)
         self._summer = wire.SliceSum(ctx.comm, wire.half_format(dtype), transport.CHUNK_BYTES, "alltoall")
 
-    def reduce_buffer(self, k: int, buf: Any, call: Call) -> None:
-        """Sum ``buf`` slice by slice in float32, scaled, rounded once."""
+    def reduce_buffer(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
+        """Sum ``buf`` slice by slice in float32 (always in rank order), scaled, rounded once."""
         _slice_sum(self.ctx, self._summer, k, buf, call, call.scale)
 
 

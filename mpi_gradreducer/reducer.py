@@ -91,6 +91,12 @@ class DistributedGradReducer:
             multiply after (default: the number of ranks for fp16, 1 for bf16).
         coalesce: sort the rows of reduced ``RowSparse`` gradients and sum
             repeated rows.
+        deterministic: sum every element of the dense host buckets in rank
+            order, ``((g0 + g1) + g2) + ...``, in the gradient's dtype
+            (float32 for 16-bit floats), then scale it: the results are then
+            bitwise the same whatever ``bucket_bytes`` (``"auto"`` included),
+            fusion layout, bucket views or ordinary arrays, blocking or
+            asynchronous call, and MPI library. Host parameters only.
 
     Raises:
         ValueError: a bad argument, or parameters that differ across ranks.
@@ -119,6 +125,7 @@ class DistributedGradReducer:
         coalesce: bool = False,
         progress: str = "auto",
         stall_warning: float | None | str = "env",
+        deterministic: bool = False,
     ) -> None:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -129,7 +136,8 @@ class DistributedGradReducer:
                 mean=mean, degree=degree, fusion_type=fusion_type, fusion=fusion, split_indices=split_indices,
                 bucket_bytes=bucket_bytes, skip=skip, validate=validate, timeout=timeout,
                 check_finite=check_finite, cuda_aware=cuda_aware, timeline=timeline, compression=compression,
-                predivide=predivide, coalesce=coalesce, progress=progress, stall_warning=stall_warning))
+                predivide=predivide, coalesce=coalesce, progress=progress, stall_warning=stall_warning,
+                deterministic=deterministic))
             self.progress = config.decide_progress(self._comm, self.options.progress)
         except BaseException:
             self._comm.Free()

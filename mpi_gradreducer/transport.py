@@ -9,16 +9,23 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util import dtlib
 
-__all__ = ["CHUNK_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Gather", "allreduce", "cuda_support"]
+__all__ = [
+    "CHUNK_BYTES", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Gather", "OrderedSum", "allreduce",
+    "cuda_support",
+]
 
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
 #: still in cache when it is scaled or unpacked.
 CHUNK_BYTES = 4 << 20
-#: From this chunk size up, a mean is formed by reduce-scatter and allgather
-#: (each rank scales only its own block); below it one Allreduce has less latency.
+#: From this chunk size up, a mean is summed by :class:`OrderedSum` (each rank
+#: sums and scales one slice); below it one Allreduce has less latency.
 SPLIT_MEAN_BYTES = 256 << 10
+#: Chunks up to this size are summed in rank order by gathering them whole on
+#: every rank (one collective); larger ones one slice per rank (two).
+GATHERED_SUM_BYTES = 128 << 10
 #: Members of a host bucket from which :class:`Gather` copies them in and out
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
 GATHER_MEMBERS = 8
@@ -31,13 +38,18 @@ def allreduce(
     chunk_bytes: int = CHUNK_BYTES,
     op: MPI.Op = MPI.SUM,
     after: Callable[[Any], None] | None = None,
+    ordered: OrderedSum | None = None,
+    every_chunk: bool = False,
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
-    A mean (``scale`` != 1) of a large host chunk is formed as
-    ``Reduce_scatter_block``, scaling of this rank's block (just summed, still
-    in cache), ``Allgather``: each rank multiplies 1/size of the data instead
-    of all of it, so the mean costs almost nothing over the sum. Other chunks
+    A mean (``scale`` != 1) of a large host chunk is summed in rank order by
+    :class:`OrderedSum` (each rank sums one slice, scales it while it is in
+    cache, and the slices are shared): each rank multiplies 1/size of the
+    data, and the process's memory stays flat (MPICH's
+    ``Reduce_scatter_block`` grows it with every call). With ``every_chunk``
+    every chunk is summed so, whatever its size: each element is then
+    ``((g0 + g1) + g2) + ...`` whatever the chunk boundaries. Other chunks
     take one ``Allreduce`` and are scaled right after it, while in cache.
     Either way the result is bitwise identical on every rank.
 
@@ -48,18 +60,25 @@ def allreduce(
         chunk_bytes: bytes per collective.
         op: the MPI reduction.
         after: called with each reduced (and scaled) chunk.
+        ordered: the rank-order summer of ``buf``'s dtype on ``comm`` (its
+            scratch buffers are reused); made for this call when needed and None.
+        every_chunk: sum every chunk in rank order (host buffers, ``MPI.SUM``).
 
     Returns:
         The number of collective calls made.
     """
     n = buf.shape[0]
     step = max(1, chunk_bytes // max(1, buf.itemsize))
-    split = scale != 1.0 and op == MPI.SUM and isinstance(buf, np.ndarray) and comm.Get_size() > 1
+    host_sum = op == MPI.SUM and isinstance(buf, np.ndarray) and comm.Get_size() > 1
+    split = host_sum and (every_chunk or scale != 1.0)
+    least = 0 if every_chunk else SPLIT_MEAN_BYTES
     calls = 0
     for start in range(0, n, step):
         chunk = buf[start : start + step]
-        if split and chunk.nbytes >= SPLIT_MEAN_BYTES:
-            calls += _scattered_mean(comm, chunk, scale)
+        if split and chunk.nbytes >= least:
+            if ordered is None:
+                ordered = OrderedSum(comm, buf.dtype, chunk_bytes)
+            calls += ordered(chunk, scale)
         else:
             calls += 1
             comm.Allreduce(MPI.IN_PLACE, chunk, op=op)
@@ -70,21 +89,79 @@ def allreduce(
     return calls
 
 
-def _scattered_mean(comm: MPI.Comm, chunk: np.ndarray, scale: float) -> int:
-    """``chunk = sum over ranks * scale`` by reduce-scatter, scaling one block, allgather."""
-    size, rank = comm.Get_size(), comm.Get_rank()
-    block = chunk.shape[0] // size
-    body = chunk[: block * size]
-    comm.Reduce_scatter_block(MPI.IN_PLACE, body, op=MPI.SUM)  # this rank's block sums into body[:block]
-    mine = body[rank * block : (rank + 1) * block]
-    _scale(body[:block], scale, out=mine)  # disjoint for rank > 0, the same block for rank 0
-    comm.Allgather(MPI.IN_PLACE, body)
-    rest = chunk[block * size :]
-    if rest.shape[0]:
-        comm.Allreduce(MPI.IN_PLACE, rest, op=MPI.SUM)
-        _scale(rest, scale)
-        return 3
-    return 2
+class OrderedSum:
+    """Sums host chunks of one dtype across ``comm`` in rank order, ``((g0 + g1) + g2) + ...``, then scales.
+
+    Each element's sum is formed by one rank, adding every rank's value in
+    rank order in the chunk's dtype, and scaled there; so the result does not
+    depend on chunk boundaries, message sizes or the MPI library, and is the
+    same on every rank. A chunk of up to :data:`GATHERED_SUM_BYTES` is
+    gathered whole on every rank (one ``Allgather``) and summed there; a
+    larger one is cut into one slice per rank (``Alltoallv``), each rank sums
+    its slice, and the slices are shared (``Allgatherv``). Scratch buffers are
+    kept for the next chunk.
+
+    Args:
+        comm: the communicator.
+        dtype: the chunks' dtype (float or complex).
+        chunk_bytes: the largest chunk that will come (sizes the scratch buffers).
+    """
+
+    def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.comm = comm
+        self.dtype = np.dtype(dtype)
+        self.size, self.rank = comm.Get_size(), comm.Get_rank()
+        self._type = dtlib.from_numpy_dtype(self.dtype)
+        self._step = max(1, chunk_bytes // self.dtype.itemsize)
+        self._scratch = np.empty(0, self.dtype)
+        self._layout: tuple[int, list[int], list[int]] = (-1, [], [])
+
+    def __call__(self, chunk: np.ndarray, scale: float = 1.0) -> int:
+        """Sum ``chunk`` (1-D, contiguous) across ranks in place, times ``scale``; returns the collectives made."""
+        n, size = chunk.shape[0], self.size
+        if n == 0:
+            return 0
+        if size == 1:
+            if scale != 1.0:
+                _scale(chunk, scale)
+            return 0
+        if chunk.nbytes <= GATHERED_SUM_BYTES:
+            rows = self._rows(size * n).reshape(size, n)
+            self.comm.Allgather([chunk, self._type], [rows, self._type])
+            _sum_rows(rows, chunk, scale)
+            return 1
+        counts, displs = self._split(n)
+        mine = counts[self.rank]
+        recv = self._rows(size * mine)
+        self.comm.Alltoallv([chunk, (counts, displs), self._type],
+                            [recv, ([mine] * size, [r * mine for r in range(size)]), self._type])
+        seg = chunk[displs[self.rank] : displs[self.rank] + mine]
+        _sum_rows(recv.reshape(size, mine), seg, scale)
+        self.comm.Allgatherv(MPI.IN_PLACE, [chunk, (counts, displs), self._type])
+        return 2
+
+    def _rows(self, count: int) -> np.ndarray:
+        if self._scratch.shape[0] < count:
+            gathered = self.size * max(1, GATHERED_SUM_BYTES // self.dtype.itemsize)
+            sliced = self.size * -(-self._step // self.size)
+            self._scratch = np.empty(max(count, gathered, sliced), self.dtype)
+        return self._scratch[:count]
+
+    def _split(self, n: int) -> tuple[list[int], list[int]]:
+        """Slice r of an ``n``-element chunk is summed by rank r."""
+        if self._layout[0] != n:
+            bounds = [r * n // self.size for r in range(self.size + 1)]
+            self._layout = (n, [bounds[r + 1] - bounds[r] for r in range(self.size)], bounds[:-1])
+        return self._layout[1], self._layout[2]
+
+
+def _sum_rows(rows: np.ndarray, out: np.ndarray, scale: float) -> None:
+    """``out = (((rows[0] + rows[1]) + rows[2]) + ...) * scale``, in ``out``'s dtype."""
+    np.add(rows[0], rows[1], out=out)
+    for r in range(2, rows.shape[0]):
+        np.add(out, rows[r], out=out)
+    if scale != 1.0:
+        _scale(out, scale)
 
 
 def _scale(a: Any, scale: float, out: Any = None) -> None:
