@@ -34,3 +34,20 @@ def test_first_reducer_is_fast_and_imports_no_optional_dependency():
         assert m[4] == "False" and m[5] == "False", f"rank {m[1]} imported an optional dependency\n{job}"
     slowest = max(float(m[2]) for m in rows)
     assert slowest <= FIRST_REDUCER_SECONDS, f"the first reducer took {slowest:.3f} s on the slowest rank\n{job}"
+
+
+#: Calls per path in the suite, and the most a rank may grow over their second half: a leak of
+#: 150 bytes a call (MPICH's Reduce_scatter_block) grows about 175 KiB over 1,200 calls.
+SOAK_CALLS = 2400
+SOAK_LATE_KIB = 96
+
+
+@pytest.mark.parametrize("path", ["blocking", "begin", "reduce-scatter"])
+def test_memory_stays_flat_over_thousands_of_calls(path):
+    job = run_job("../../scripts/soak.py", "--path", path, "--calls", str(SOAK_CALLS), "--warmup", "300",
+                  limit=240)
+    assert job.returncode == 0, str(job)
+    rows = job.lines(rf"path {path} \| calls (\d+) \| growth KiB by rank ([-\d ]+) \| .* \| "
+                     r"second half max (-?\d+) KiB \| .*")
+    assert len(rows) == 1, str(job)
+    assert int(rows[0][3]) <= SOAK_LATE_KIB, f"RSS grew {rows[0][3]} KiB over the second half of the calls\n{job}"

@@ -35,6 +35,9 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     lists of distinct arrays, so that no call gets the previous call's arrays
     (which ``reducer`` gets from its third call on, and replays: see
     :mod:`mpi_gradreducer.replay`). Reported also as ``reducer-fresh / reducer``.
+``reducer-deterministic``
+    The reducer with ``deterministic=True`` on separately allocated arrays:
+    every element summed in rank order; ``deterministic / reducer`` is printed.
 ``packed-floor``
     The least that any reducer which packs separate arrays must do, written
     by hand with nothing else: one copy of all gradients into a preallocated
@@ -106,9 +109,11 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
 METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-fresh",
-           "reducer-shard", "reducer-torch", "torch-gloo", *powersgd.POWERSGD_METHODS)
-#: What runs without ``--methods``: all but PowerSGD's.
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in powersgd.POWERSGD_METHODS)
+           "reducer-shard", "reducer-torch", "torch-gloo", "reducer-deterministic", *powersgd.POWERSGD_METHODS)
+#: Methods timed only when named in ``--methods``.
+ON_REQUEST = ("reducer-deterministic", *powersgd.POWERSGD_METHODS)
+#: What runs without ``--methods``: all but PowerSGD's and ``reducer-deterministic``.
+DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST)
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
 LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
 #: The limit case that is one Allreduce of all the bytes.
@@ -178,7 +183,8 @@ def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params
 def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
     """The numpy reducer methods."""
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    variants: tuple[tuple[str, dict[str, Any]], ...] = (("reducer", {}), ("reducer-novalidate", {"validate": "never"}))
+    variants: tuple[tuple[str, dict[str, Any]], ...] = (
+        ("reducer", {}), ("reducer-novalidate", {"validate": "never"}), ("reducer-deterministic", {"deterministic": True}))
     for name, kwargs in variants:
         if name in methods:
             r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
@@ -337,7 +343,8 @@ def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -
              "always_over_never": ("reducer", "reducer-novalidate"),
              "reducer_over_floor": ("reducer", "packed-floor"),
              "fresh_over_reducer": ("reducer-fresh", "reducer"),
-             "shard_over_reducer": ("reducer-shard", "reducer")}
+             "shard_over_reducer": ("reducer-shard", "reducer"),
+             "deterministic_over_reducer": ("reducer-deterministic", "reducer")}
     return {key: results[a]["median_ms"] / results[b]["median_ms"]
             for key, (a, b) in pairs.items() if a in times and b in times}
 
@@ -401,6 +408,9 @@ def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
     if "shard_over_reducer" in res:
         lines.append(f"  reducer-shard / reducer = {res['shard_over_reducer']:.2f} "
                      f"(reduce_scatter + allgather against the Allreduce of the same plan)")
+    if "deterministic_over_reducer" in res:
+        lines.append(f"  reducer-deterministic / reducer = {res['deterministic_over_reducer']:.2f} "
+                     f"(every element summed in rank order)")
     if name == "small" and "reducer_over_one_allreduce" in res:
         lines.append(f"  reducer / one Allreduce of all {res['bytes']} bytes = {res['reducer_over_one_allreduce']:.2f}")
     if "reducer_over_floor" in res:
