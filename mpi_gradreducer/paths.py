@@ -128,8 +128,9 @@ class Context:
 
         On the carrier bucket, the first elements travel with the header (now,
         if it is still pending, or they already went as zeros with it, on a
-        rank that has joined); elsewhere, or when the header went ahead on its
-        own, nothing is taken.
+        rank that has joined); when the header went ahead on its own, they
+        travel now in a message of the first message's layout (so that they
+        are summed to the same bits); elsewhere nothing is taken.
         """
         if k != self.carrier:
             return data
@@ -258,7 +259,7 @@ class HostPath(PackedPath):
             # The same on every rank. Which buckets go together in an asynchronous call depends on
             # each rank's order of ready(): there, each bucket is its own run.
             views = call.info is not None and call.info.runs
-            joins = views and not call.info.asynchronous
+            joins = views and call.info is not None and not call.info.asynchronous
             while joins and end < len(ks) and (nxt := self._in_place(ks[end], call)) is not None:
                 joined = join_runs(run, nxt)
                 if joined is None:

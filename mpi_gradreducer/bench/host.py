@@ -37,7 +37,8 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     :mod:`mpi_gradreducer.replay`). Reported also as ``reducer-fresh / reducer``.
 ``reducer-deterministic``
     The reducer with ``deterministic=True`` on separately allocated arrays:
-    every element summed in rank order; ``deterministic / reducer`` is printed.
+    every element summed in rank order; ``reducer-deterministic / reducer``
+    is printed. Only when named in ``--methods``.
 ``packed-floor``
     The least that any reducer which packs separate arrays must do, written
     by hand with nothing else: one copy of all gradients into a preallocated
@@ -464,7 +465,7 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
                    help=f"workloads to run (default: {' '.join(DEFAULT_WORKLOADS)}; the option alone: none, "
                         "e.g. to run only --sweep)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(DEFAULT_METHODS),
-                   help="methods to time (default: all but reducer-powersgd and torch-powersgd; reducer-torch, "
+                   help="methods to time (default: all but " + ", ".join(ON_REQUEST) + "; reducer-torch, "
                         "torch-gloo and torch-powersgd only where torch imports)")
     p.add_argument("--powersgd-rank", type=int, default=4, metavar="R",
                    help="the rank of reducer-powersgd and torch-powersgd (default 4)")
