@@ -160,6 +160,7 @@ class Sharder:
         self._wide: list[np.ndarray | None] = [None] * len(buckets)  # half buckets widened to float32
         self._results: list[Any] = [None] * len(buckets)  # the same, scaled, in the members' dtype
         self._gathered: list[np.ndarray | None] = [None] * len(buckets)  # a whole bucket, members' dtype
+        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order reduce-scatters, by dtype
 
     @classmethod
     def of(cls, current: Sharder | None, comm: MPI.Intracomm, plan: FusionPlan, instrument: Instrument) -> Sharder:
@@ -195,12 +196,12 @@ class Sharder:
             received = self._received[k]
             if received is None:
                 received = self._received[k] = np.empty(self.owned(k), reduction_dtype(b.dtype))
-            for c0, n, counts, _, at in self.chunks(k):
+            for c0, n, counts, displs, at in self.chunks(k):
                 mine = received[at: at + counts[self.rank]]
                 if self.size > 1:
                     self.instrument.collective(partial("reduce-scatter of bucket {} ({} bytes)".format, k, b.nbytes),
-                                               call.number, self.comm.Reduce_scatter, send[c0: c0 + n], mine,
-                                               counts, op=MPI.SUM)
+                                               call.number, self._summer(send.dtype).reduce_scatter,
+                                               send[c0: c0 + n], counts, displs, mine)
                 else:
                     mine[...] = send[c0: c0 + n]
                 self.instrument.stats.messages += 1
@@ -218,6 +219,13 @@ class Sharder:
         pieces = tuple(Piece(s.index, s.start, s.stop, self._results[s.bucket][s.offset: s.offset + s.stop - s.start])
                        for s in self.spans)
         return Shard(self, call.number, pieces)
+
+    def _summer(self, dtype: np.dtype) -> transport.OrderedSum:
+        """The rank-order summer of ``dtype`` (made once)."""
+        summer = self._summers.get(dtype)
+        if summer is None:
+            summer = self._summers[dtype] = transport.OrderedSum(self.comm, dtype, transport.CHUNK_BYTES)
+        return summer
 
     def _widened(self, k: int, parts: Sequence[Any]) -> np.ndarray:
         """Bucket ``k``'s members (or its one 16-bit buffer) in the dtype they are summed in, on the host."""

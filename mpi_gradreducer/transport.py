@@ -140,6 +140,23 @@ class OrderedSum:
         self.comm.Allgatherv(MPI.IN_PLACE, [chunk, (counts, displs), self._type])
         return 2
 
+    def reduce_scatter(self, chunk: np.ndarray, counts: Sequence[int], displs: Sequence[int], out: np.ndarray) -> int:
+        """``out`` = this rank's slice of ``chunk`` (``counts[rank]`` elements from ``displs[rank]``), summed
+        over the ranks in rank order; returns the collectives made.
+
+        MPICH's own ``Reduce_scatter`` grows the process's memory with every call, as its
+        ``Reduce_scatter_block`` does.
+        """
+        size, mine = self.size, counts[self.rank]
+        recv = self._rows(size * mine)
+        self.comm.Alltoallv([chunk, (list(counts), list(displs)), self._type],
+                            [recv, ([mine] * size, [r * mine for r in range(size)]), self._type])
+        if size == 1:
+            np.copyto(out, recv)
+        else:
+            _sum_rows(recv.reshape(size, mine), out, 1.0)
+        return 1
+
     def _rows(self, count: int) -> np.ndarray:
         if self._scratch.shape[0] < count:
             gathered = self.size * max(1, GATHERED_SUM_BYTES // self.dtype.itemsize)

@@ -37,15 +37,16 @@ def test_first_reducer_is_fast_and_imports_no_optional_dependency():
 
 
 #: Calls per path in the suite, and the most a rank may grow over their second half: a leak of
-#: 150 bytes a call (MPICH's Reduce_scatter_block) grows about 175 KiB over 1,200 calls.
-SOAK_CALLS = 2400
-SOAK_LATE_KIB = 96
+#: 150 bytes a call (MPICH's Reduce_scatter_block, which the reducer used to form means with)
+#: grows about 117 KiB over 800 calls; the reducer grows 0-8 KiB there.
+SOAK_CALLS = 1600
+SOAK_LATE_KIB = 48
 
 
-@pytest.mark.parametrize("path", ["blocking", "begin", "reduce-scatter"])
+@pytest.mark.parametrize("path", ["blocking", "begin"])
 def test_memory_stays_flat_over_thousands_of_calls(path):
     job = run_job("../../scripts/soak.py", "--path", path, "--calls", str(SOAK_CALLS), "--warmup", "300",
-                  limit=240)
+                  limit=600)
     assert job.returncode == 0, str(job)
     rows = job.lines(rf"path {path} \| calls (\d+) \| growth KiB by rank ([-\d ]+) \| .* \| "
                      r"second half max (-?\d+) KiB \| .*")
