@@ -43,7 +43,7 @@ SOAK_CALLS = 1600
 SOAK_LATE_KIB = 48
 
 
-@pytest.mark.parametrize("path", ["blocking", "begin"])
+@pytest.mark.parametrize("path", ["blocking", "begin", "reduce-scatter"])
 def test_memory_stays_flat_over_thousands_of_calls(path):
     job = run_job("../../scripts/soak.py", "--path", path, "--calls", str(SOAK_CALLS), "--warmup", "300",
                   limit=600)
