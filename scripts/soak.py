@@ -12,9 +12,10 @@ Each job makes ``--warmup`` calls, reads every rank's resident set size
 (``/proc/self/statm``), makes ``--calls`` more (reading it halfway too),
 reads it again and prints::
 
-    path begin | calls 6000 | growth KiB by rank 0 4 0 0 | max 4 KiB | per 6000 calls 4 KiB | second half max 0 KiB | 950 us/call
+    path begin | calls 6000 | growth KiB by rank 0 4 0 0 | max 4 KiB | per 6000 calls 4 KiB |
+    second half max 0 KiB | 950 us/call
 
-A leak grows both halves alike; what a warm-up leaves shows in the first half only.
+(on one line). A leak grows both halves alike; what a warm-up leaves shows in the first half only.
 
 The model is five float32 tensors, one of 300x300 (a mean of large chunks,
 reduced in place), four small ones (packed); the paths vary how it is passed.
@@ -48,7 +49,7 @@ def make_step(path: str, comm: Any) -> tuple[Callable[[], None], Callable[[], No
     """One call of ``path`` (a function), and the reducer's ``free``."""
     from mpi_gradreducer import DistributedGradReducer, RowSparse
 
-    rank, size = comm.Get_rank(), comm.Get_size()
+    rank = comm.Get_rank()
     dtype: Any = np.float32
     shapes = SHAPES
     kwargs: dict[str, Any] = {}
