@@ -24,7 +24,7 @@ def _data(comm: MPI.Comm, dtype, seed: int = 0) -> list[np.ndarray]:
 
 def _fill(reducer: DistributedGradReducer, data: list[np.ndarray], views: bool) -> list[np.ndarray]:
     grads = reducer.allocate_grads() if views else [np.empty_like(d) for d in data]
-    for g, d in zip(grads, data):
+    for g, d in zip(grads, data, strict=True):
         g[...] = d
     return grads
 
@@ -44,7 +44,7 @@ def _every_way(reducer: DistributedGradReducer, comm: MPI.Comm, data: list[np.nd
 
 
 def _assert_bitwise(expected, got, what: str) -> None:
-    bad = [i for i, (e, g) in enumerate(zip(expected, got)) if e.tobytes() != g.tobytes()]
+    bad = [i for i, (e, g) in enumerate(zip(expected, got, strict=True)) if e.tobytes() != g.tobytes()]
     assert not bad, f"{what}: grads{bad} differ (largest difference " \
                     f"{max(float(np.abs(expected[i] - got[i]).max()) for i in bad):.3g})"
 

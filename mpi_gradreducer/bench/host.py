@@ -185,7 +185,8 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
     """The numpy reducer methods."""
     value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
     variants: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("reducer", {}), ("reducer-novalidate", {"validate": "never"}), ("reducer-deterministic", {"deterministic": True}))
+        ("reducer", {}), ("reducer-novalidate", {"validate": "never"}),
+        ("reducer-deterministic", {"deterministic": True}))
     for name, kwargs in variants:
         if name in methods:
             r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
