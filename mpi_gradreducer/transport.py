@@ -97,8 +97,9 @@ class OrderedSum:
     depend on chunk boundaries, message sizes or the MPI library, and is the
     same on every rank. A chunk of up to :data:`GATHERED_SUM_BYTES` is
     gathered whole on every rank (one ``Allgather``) and summed there; a
-    larger one is cut into one slice per rank (``Alltoallv``), each rank sums
-    its slice, and the slices are shared (``Allgatherv``). Scratch buffers are
+    larger one is cut into one equal block per rank (``Alltoall``), each rank
+    sums its block, and the blocks are shared (``Allgather``); the last
+    ``n % size`` elements, if any, are gathered whole. Scratch buffers are
     kept for the next chunk.
 
     Args:
@@ -114,7 +115,6 @@ class OrderedSum:
         self._type = dtlib.from_numpy_dtype(self.dtype)
         self._step = max(1, chunk_bytes // self.dtype.itemsize)
         self._scratch = np.empty(0, self.dtype)
-        self._layout: tuple[int, list[int], list[int]] = (-1, [], [])
 
     def __call__(self, chunk: np.ndarray, scale: float = 1.0) -> int:
         """Sum ``chunk`` (1-D, contiguous) across ranks in place, times ``scale``; returns the collectives made."""
@@ -125,20 +125,25 @@ class OrderedSum:
             if scale != 1.0:
                 _scale(chunk, scale)
             return 0
-        if chunk.nbytes <= GATHERED_SUM_BYTES:
-            rows = self._rows(size * n).reshape(size, n)
-            self.comm.Allgather([chunk, self._type], [rows, self._type])
-            _sum_rows(rows, chunk, scale)
-            return 1
-        counts, displs = self._split(n)
-        mine = counts[self.rank]
-        recv = self._rows(size * mine)
-        self.comm.Alltoallv([chunk, (counts, displs), self._type],
-                            [recv, ([mine] * size, [r * mine for r in range(size)]), self._type])
-        seg = chunk[displs[self.rank] : displs[self.rank] + mine]
-        _sum_rows(recv.reshape(size, mine), seg, scale)
-        self.comm.Allgatherv(MPI.IN_PLACE, [chunk, (counts, displs), self._type])
-        return 2
+        if chunk.nbytes <= GATHERED_SUM_BYTES or n < size:
+            return self._gathered(chunk, scale)
+        block = n // size
+        body = chunk[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
+        recv = self._rows(size * block)
+        self.comm.Alltoall([body, self._type], [recv, self._type])
+        _sum_rows(recv.reshape(size, block), body[self.rank * block : (self.rank + 1) * block], scale)
+        self.comm.Allgather(MPI.IN_PLACE, [body, self._type])
+        if body.shape[0] == n:
+            return 2
+        return 2 + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
+
+    def _gathered(self, chunk: np.ndarray, scale: float) -> int:
+        """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it."""
+        n = chunk.shape[0]
+        rows = self._rows(self.size * n).reshape(self.size, n)
+        self.comm.Allgather([chunk, self._type], [rows, self._type])
+        _sum_rows(rows, chunk, scale)
+        return 1
 
     def reduce_scatter(self, chunk: np.ndarray, counts: Sequence[int], displs: Sequence[int], out: np.ndarray) -> int:
         """``out`` = this rank's slice of ``chunk`` (``counts[rank]`` elements from ``displs[rank]``), summed
@@ -163,13 +168,6 @@ class OrderedSum:
             sliced = self.size * -(-self._step // self.size)
             self._scratch = np.empty(max(count, gathered, sliced), self.dtype)
         return self._scratch[:count]
-
-    def _split(self, n: int) -> tuple[list[int], list[int]]:
-        """Slice r of an ``n``-element chunk is summed by rank r."""
-        if self._layout[0] != n:
-            bounds = [r * n // self.size for r in range(self.size + 1)]
-            self._layout = (n, [bounds[r + 1] - bounds[r] for r in range(self.size)], bounds[:-1])
-        return self._layout[1], self._layout[2]
 
 
 def _sum_rows(rows: np.ndarray, out: np.ndarray, scale: float) -> None:
