@@ -18,12 +18,15 @@ memory). When the next call passes the very same objects, their state is
 recorded (the *armed* state) with the views made of other libraries' arrays
 (which keep those objects alive while armed). From then on a call
 whose gradients are those objects, in the same state, gets the armed verdict
-at once: the numpy arrays' states are read by two MPI copies on ``COMM_SELF``
+at once. Which objects a list or tuple holds is read from it in one copy (the
+addresses of its entries; while every armed object lives, an address is that
+object). The numpy arrays' states are read by two MPI copies on ``COMM_SELF``
 (an ``hindexed`` datatype over the arrays' object headers, where numpy keeps
 the data pointer, dimensions, strides, dtype and flags, then one over their
 dimensions and strides), compared byte for byte with the recorded ones.
-Where numpy's object layout is not the one checked on probe arrays at first
-use, their array interfaces are compared instead (slower, as sound).
+Where CPython's or numpy's object layout is not the one checked on probes at
+first use, the entries' ids and the arrays' interfaces are compared instead
+(slower, as sound).
 
 Nothing else changes: the call's header still carries this rank's verdict to
 every rank before any array is modified.
@@ -45,17 +48,17 @@ from mpi4py import MPI
 
 from .validation import Checked
 
-__all__ = ["Replay", "numpy_layout"]
+__all__ = ["Replay", "numpy_layout", "sequence_layout"]
 
 #: Tag of the copies that read the arrays' states (on the reducer's own duplicate of ``COMM_SELF``).
 _TAG = 32767
 #: numpy's ``NPY_ARRAY_C_CONTIGUOUS`` and ``NPY_ARRAY_WRITEABLE`` flags.
 _C_CONTIGUOUS, _WRITEABLE = 0x0001, 0x0400
-#: Bytes read from each array's object: the data pointer and ``nd``; the dimensions and strides
-#: pointers, the base, the dtype and the flags.
-_HEAD_BLOCKS = (12, 36)
+#: Bytes read from each array's object, in one block from the data pointer: the data pointer,
+#: ``nd`` (and the padding after it), the dimensions and strides pointers, the base, the dtype and the flags.
+_HEAD_BYTES = 52
 _HEAD_RECORD = np.dtype({"names": ["nd", "dims", "strides"], "formats": ["<i4", "<u8", "<u8"],
-                         "offsets": [8, 12, 20], "itemsize": sum(_HEAD_BLOCKS)})
+                         "offsets": [8, 16, 24], "itemsize": _HEAD_BYTES})
 
 
 class Layout(NamedTuple):
@@ -63,7 +66,8 @@ class Layout(NamedTuple):
 
     Attributes:
         data: the data pointer, then ``nd`` (an int).
-        dims: the dimensions pointer, then the strides pointer, the base, the dtype and the flags (an int).
+        dims: the dimensions pointer, then the strides pointer, the base, the dtype and the flags (an int);
+            16 bytes after ``data``.
     """
 
     data: int
@@ -83,7 +87,7 @@ def numpy_layout() -> Layout | None:
             or ctypes.sizeof(ctypes.c_int) != 4 or ctypes.sizeof(ctypes.c_ssize_t) != 8):
         return None
     head = object.__basicsize__
-    layout = Layout(head, head + 16)
+    layout = Layout(head, head + 16)  # as _HEAD_RECORD reads them
     square = np.zeros((3, 4), np.float32)
     readonly = np.arange(10.0)[::2]
     readonly.flags.writeable = False
@@ -95,6 +99,46 @@ def numpy_layout() -> Layout | None:
         return layout if _reads_back(square, layout) else None
     except Exception:  # an unreadable layout: fall back to the interfaces
         return None
+
+
+@functools.cache
+def sequence_layout() -> tuple[int, int] | None:
+    """Where a list keeps the pointer to its entries, and where a tuple keeps its entries, in bytes from the object.
+
+    Returns:
+        The offsets, or None where they do not read back the entries of probe
+        sequences (another interpreter, another layout): the entries' ids are
+        then compared one by one.
+    """
+    if sys.implementation.name != "cpython" or ctypes.sizeof(ctypes.c_void_p) != 8:
+        return None
+    offsets = (object.__basicsize__ + 8, tuple.__basicsize__)  # behind the length: ob_item, or the items inline
+    probe = [object() for _ in range(3)]
+    probe.extend(object() for _ in range(6))  # grown: its entries moved
+    try:
+        if all(_entries(seq, offsets) == _ids(seq) for seq in (probe, tuple(probe), probe[:1], (probe[0],))):
+            return offsets
+    except Exception:  # an unreadable layout: compare the ids
+        pass
+    return None
+
+
+def _entries(grads: list[Any] | tuple[Any, ...], offsets: tuple[int, int]) -> bytes:
+    """The addresses of the entries of ``grads`` (a list or a tuple), read from the sequence object in one copy."""
+    n = len(grads)
+    if n == 0:
+        return b""
+    at = id(grads)
+    if type(grads) is list:
+        at = ctypes.c_void_p.from_address(at + offsets[0]).value or 0
+    else:
+        at += offsets[1]
+    return ctypes.string_at(at, 8 * n)
+
+
+def _ids(grads: Sequence[Any]) -> bytes:
+    """The ids of ``grads``' entries, as 64-bit native integers."""
+    return np.fromiter(map(id, grads), np.int64, len(grads)).tobytes()
 
 
 def _reads_back(a: np.ndarray, layout: Layout) -> bool:
@@ -113,6 +157,24 @@ def _reads_back(a: np.ndarray, layout: Layout) -> bool:
         return True
     return (tuple((ctypes.c_ssize_t * nd).from_address(dims)) == a.shape
             and tuple((ctypes.c_ssize_t * nd).from_address(strides)) == a.strides)
+
+
+def _joined(lengths: Sequence[int], places: Sequence[int]) -> tuple[list[int], list[int]]:
+    """The blocks ``(lengths, places)`` with each block that starts where the one before ends joined to it.
+
+    numpy allocates an array's strides right behind its dimensions: one block each, half the blocks to copy.
+    """
+    joined_lengths: list[int] = []
+    joined_places: list[int] = []
+    end = -1
+    for length, place in zip(lengths, places, strict=True):
+        if place == end and joined_lengths:
+            joined_lengths[-1] += length
+        else:
+            joined_lengths.append(length)
+            joined_places.append(place)
+        end = place + length
+    return joined_lengths, joined_places
 
 
 class _Copy:
@@ -142,9 +204,7 @@ class _NumpyStates:
 
     def __init__(self, local: MPI.Intracomm, arrays: Sequence[np.ndarray], layout: Layout) -> None:
         at = np.fromiter(map(id, arrays), np.int64, len(arrays))
-        heads = np.empty(2 * len(arrays), np.int64)
-        heads[0::2], heads[1::2] = at + layout.data, at + layout.dims
-        self._heads = _Copy(local, _HEAD_BLOCKS * len(arrays), heads.tolist())
+        self._heads = _Copy(local, [_HEAD_BYTES] * len(arrays), (at + layout.data).tolist())
         self._shapes: _Copy | None = None
         try:
             head = bytes(self._heads.read())
@@ -152,7 +212,7 @@ class _NumpyStates:
             lengths = np.repeat(8 * record["nd"].astype(np.int64), 2)
             places = np.empty(2 * len(arrays), np.int64)
             places[0::2], places[1::2] = record["dims"].view(np.int64), record["strides"].view(np.int64)
-            self._shapes = _Copy(local, lengths.tolist(), places.tolist())
+            self._shapes = _Copy(local, *_joined(lengths.tolist(), places.tolist()))
             self._expected = (head, bytes(self._shapes.read()))
         except BaseException:
             self.free()
@@ -203,7 +263,9 @@ _Check = tuple[Callable[[Sequence[Any]], list[Any]], Callable[[Sequence[Any]], A
 class _Armed:
     """A verdict, the objects it is for, and how to tell that they are unchanged."""
 
-    def __init__(self, checked: Checked, numpy: _NumpyStates | None, others: list[_Check], foreign: bool) -> None:
+    def __init__(self, entries: bytes, checked: Checked, numpy: _NumpyStates | None, others: list[_Check],
+                 foreign: bool) -> None:
+        self.entries = entries
         self.checked = checked
         self.numpy = numpy
         self.others = others
@@ -250,7 +312,7 @@ class Replay:
         armed = self._armed
         if armed is None or self._dead.dead or not (type(grads) is list or type(grads) is tuple):
             return None
-        if len(grads) != len(self._refs) or list(map(id, grads)) != self._ids or not armed.unchanged(grads):
+        if len(grads) != len(self._refs) or self._entries(grads) != armed.entries or not armed.unchanged(grads):
             return None
         return armed.checked if armed.foreign else Checked(None, arrays=grads)
 
@@ -287,6 +349,11 @@ class Replay:
             self._armed.free()
         self._ids, self._refs, self._dead, self._armed = None, [], _Dead(), None
 
+    def _entries(self, grads: list[Any] | tuple[Any, ...]) -> bytes:
+        """Which objects ``grads`` holds: their addresses, read in one copy where the sequences' layout is known."""
+        offsets = sequence_layout() if self._layout else None
+        return _ids(grads) if offsets is None else _entries(grads, offsets)
+
     def _arm(self, grads: Sequence[Any], checked: Checked) -> _Armed | None:
         """The armed state of ``grads`` (just checked into ``checked``), or None when some entry cannot be proven."""
         arrays = checked.arrays
@@ -316,4 +383,5 @@ class Replay:
             numpy = _NumpyStates(self._local, [grads[i] for i in plain], layout)
         foreign = arrays is not grads
         kept = Checked(None, arrays=list(arrays)) if foreign else checked._replace(arrays=None)
-        return _Armed(kept, numpy, others, foreign)
+        assert type(grads) is list or type(grads) is tuple
+        return _Armed(self._entries(grads), kept, numpy, others, foreign)

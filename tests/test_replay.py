@@ -17,7 +17,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.replay import Replay, numpy_layout
+from mpi_gradreducer.replay import Replay, numpy_layout, sequence_layout
 from mpi_gradreducer.validation import check_grads
 
 pytestmark = pytest.mark.mpi
@@ -154,6 +154,9 @@ def test_replay_refuses_every_change_in_place(layout):
                     replay.remember(grads, check_grads(grads, plan, True))
                 assert replay.recall(grads) is not None
                 assert replay.recall(list(grads)) is not None  # a new list of the same arrays
+                assert replay.recall(tuple(grads)) is not None
+                assert replay.recall(grads[::-1]) is None
+                assert replay.recall([*grads[:5], grads[6], grads[5], *grads[7:]]) is None
                 change(grads)
                 assert replay.recall(grads) is None
                 replay.forget()
@@ -161,9 +164,10 @@ def test_replay_refuses_every_change_in_place(layout):
         local.Free()
 
 
-def test_numpy_layout_is_confirmed_here():
-    """On CPython with numpy's ABI the states are read from the objects (the fast proof is the one tested)."""
+def test_layouts_are_confirmed_here():
+    """On CPython with numpy's ABI the states and the entries are read from the objects (the fast proof is tested)."""
     assert numpy_layout() is not None
+    assert sequence_layout() is not None
 
 
 # -- torch --------------------------------------------------------------------------------------
