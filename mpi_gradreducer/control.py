@@ -79,14 +79,12 @@ class Local(NamedTuple):
 
     def values(self) -> list[int]:
         """The header's integers (a joined rank's digests are zero: it knows no structure)."""
-        kind = int(self.asynchronous) + 2 * int(self.sharded)
         if self.contributing and self.error is None:
-            d = _digests((self.call, kind, *self.sparse))
-            tail = [d[0], d[1], d[2], d[0] * d[0], d[1] * d[1], d[2] * d[2]]  # the digests, then their squares
-        else:
-            tail = [0] * (2 * _DIGESTS)
+            d0, d1, d2 = _digests((self.call, int(self.asynchronous) + 2 * int(self.sharded), *self.sparse))
+            return [0, 1, int(bool(self.absent)), int(self.views), int(self.asynchronous), int(self.sharded),
+                    d0, d1, d2, d0 * d0, d1 * d1, d2 * d2]  # the digests, then their squares
         return [int(self.error is not None), int(self.contributing), int(bool(self.absent)), int(self.views),
-                int(self.asynchronous), int(self.sharded), *tail]
+                int(self.asynchronous), int(self.sharded), *[0] * (2 * _DIGESTS)]
 
     def write(self, slots: np.ndarray) -> None:
         """Store the header in the first :data:`SLOTS` real values of ``slots``."""
@@ -109,12 +107,12 @@ class Summary(NamedTuple):
     @classmethod
     def of(cls, sums: np.ndarray) -> Summary:
         """Read summed header values (the first :data:`SLOTS` of a real array; exact integers)."""
-        v = [round(x) for x in sums[:SLOTS].tolist()]
+        v = list(map(round, sums[:SLOTS].tolist()))
         contributors = v[1]
-        agree = (contributors * v[9] == v[6] ** 2 and contributors * v[10] == v[7] ** 2
-                 and contributors * v[11] == v[8] ** 2)  # digests in slots 6-8, their squares in 9-11
-        return cls(v[0], v[1], v[2], v[3], v[4], v[5], agree)  # failed, contributors, attention, views,
-        #                                                     asynchronous, sharded
+        agree = (contributors * v[9] == v[6] * v[6] and contributors * v[10] == v[7] * v[7]
+                 and contributors * v[11] == v[8] * v[8])  # digests in slots 6-8, their squares in 9-11
+        v[6] = agree  # failed, contributors, attention, views, asynchronous, sharded, agree
+        return cls._make(v[:7])
 
     def healthy(self, size: int) -> bool:
         """Every rank valid, contributing, starting the call the same way, with the same structure, no None."""
@@ -238,7 +236,12 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
                     bool(first[3]))
 
 
+#: Packers of a few 64-bit little-endian integers (a call without RowSparse entries digests two).
+_PACKERS = [struct.Struct(f"<{n}q") for n in range(8)]
+
+
 def _digests(values: Sequence[int]) -> tuple[int, int, int]:
     """Three 8-bit digests of ``values``: bytes of the CRC-32 of their 64-bit little-endian form."""
-    d = zlib.crc32(struct.pack(f"<{len(values)}q", *values))
+    d = zlib.crc32(_PACKERS[len(values)].pack(*values) if len(values) < len(_PACKERS)
+                   else struct.pack(f"<{len(values)}q", *values))
     return d & 0xFF, (d >> 8) & 0xFF, (d >> 16) & 0xFF

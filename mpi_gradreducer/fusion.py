@@ -42,6 +42,7 @@ class FusionBuffer:
         self._gather = gather if self.native and self._host and len(shapes) >= GATHER_MEMBERS else None
         self._take = operator.itemgetter(*bucket.indices)
         self._gathered = False  # the last pack went through the gather
+        self._run: tuple[int, Any] | None = None  # (replay epoch, None or the buffer: in_place()'s answer then)
         self.buffer: Any = None
         self.views: list[Any] = []
 
@@ -60,20 +61,28 @@ class FusionBuffer:
         taken = self._take(grads)
         return taken if len(self.bucket.indices) > 1 else (taken,)
 
-    def in_place(self, members: Sequence[Any]) -> Any | None:
+    def in_place(self, members: Sequence[Any], epoch: int | None = None) -> Any | None:
         """A 1-D view over all members where they lie, or None when they must be packed.
 
         That is the case for the reducer's own views (``allocate_grads``), for a
         single C-contiguous member, and for members lying back to back, in
-        bucket order, in one C-contiguous base array.
+        bucket order, in one C-contiguous base array. ``epoch``: the members
+        are the replay epoch's armed gradients (see :class:`~.replay.Replay`),
+        which lie where they lay: a "no" is kept for them (a view of the
+        caller's memory is not: it would keep that memory alive).
         """
         if not self.native:
             return None
+        if epoch is not None and self._run is not None and self._run[0] == epoch:
+            return self._run[1]
         if self.views and all(g is v for g, v in zip(members, self.views, strict=True)):
-            return self.buffer
-        if len(members) == 1:
-            return backend.flat_view(members[0])
-        return _adjacent_run(members, self.bucket)
+            run = self.buffer
+        elif len(members) == 1:
+            run = backend.flat_view(members[0])
+        else:
+            run = _adjacent_run(members, self.bucket)
+        self._run = (epoch, run) if epoch is not None and (run is None or run is self.buffer) else None
+        return run
 
     def pack(self, members: Sequence[Any], scale: float = 1.0, skip: Sequence[bool] = (), epoch: int | None = None
              ) -> int:

@@ -64,6 +64,9 @@ class Context:
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
         self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order sums, by dtype
+        self._head_count = 0 if first is None else min(first.count, max(1, HEAD_BYTES // first.wire_dtype.itemsize))
+        #: The carrier when all of it travels in the first message (a small model's one bucket), else None.
+        self.whole_with_header = self.carrier if first is not None and first.count <= self._head_count else None
         # a small first bucket is packed behind the header
         if carried and first is not None and first.count <= self.head_count():
             self._first_message()
@@ -81,8 +84,7 @@ class Context:
 
     def head_count(self) -> int:
         """Elements of the carrier bucket that travel with the header."""
-        b = self.plan.buffers[0].bucket
-        return min(b.count, max(1, HEAD_BYTES // b.wire_dtype.itemsize))
+        return self._head_count
 
     def first_message(self, call: Call, head: Any = None, packed: bool = False, header: bool = True) -> None:
         """Sum the header (and the carrier's first elements, ``head``; zeros if None) and settle the call.
@@ -171,7 +173,8 @@ class Context:
 
     def record(self, call: Call, ks: Sequence[int], t0: float, t1: float, t2: float, t3: float) -> None:
         """Count and trace the phases of buckets ``ks``."""
-        nbytes = sum(self.plan.buffers[k].bucket.nbytes for k in ks)
+        buffers = self.plan.buffers
+        nbytes = buffers[ks[0]].bucket.nbytes if len(ks) == 1 else sum(buffers[k].bucket.nbytes for k in ks)
         self.instrument.phases(call.number, ks, nbytes, t0, t1, t2, t3)
 
 
@@ -246,6 +249,9 @@ class HostPath(PackedPath):
 
     def reduce(self, ks: Sequence[int], call: Call) -> None:
         """Reduce buckets ``ks`` (consecutive in the plan) of ``call``."""
+        if len(ks) == 1 and call.head == "pending" and ks[0] == self.ctx.whole_with_header and not call.sparse:
+            self._whole_with_header(call)
+            return
         start = 0
         while start < len(ks):
             run = self._in_place(ks[start], call)
@@ -270,10 +276,32 @@ class HostPath(PackedPath):
             self.ctx.record(call, ks[start:end], t0, t0, t2, t2)
             start = end
 
+    def _whole_with_header(self, call: Call) -> None:
+        """The carrier bucket, all of it in the first message: one message, packed or where it lies.
+
+        What :meth:`packed` and :meth:`Context.take_head` do for it, in one
+        step (a small model's call is mostly such steps).
+        """
+        ctx = self.ctx
+        f = ctx.plan.buffers[0]
+        members = call.members(f)
+        run = f.in_place(members, call.epoch)
+        t0 = time.perf_counter()
+        if run is None:
+            f.pack(members, 1.0, (), call.epoch)
+            run = f.buffer
+        t1 = time.perf_counter()
+        ctx.first_message(call, run, packed=run is f.buffer)
+        call.head = "sent"
+        t2 = time.perf_counter()
+        if run is f.buffer:
+            f.unpack(members, 1.0, (), packed=True)
+        ctx.record(call, (0,), t0, t1, t2, time.perf_counter())
+
     def _in_place(self, k: int, call: Call) -> Any | None:
         """The 1-D view over bucket ``k``'s gradients where they lie, if it can be reduced so."""
         f = self.ctx.plan.buffers[k]
-        return f.in_place(call.members(f)) if call.dense(f) else None
+        return f.in_place(call.members(f), call.epoch) if call.dense(f) else None
 
 
 class HalfPath(HostPath):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 from mpi4py import MPI
@@ -379,9 +380,7 @@ class DistributedGradReducer:
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous, sharded=sharded)
         call.epoch = epoch
-        call.settle = lambda summary: self._instrument.collective(
-            lambda: "the reading of the call header", call.number, settle, call, self._comm, self.options,
-            self._plan, summary)
+        call.settle = partial(self._settle, call)
         if self._ctx.carrier is None:  # the header travels alone
             call.settle(self._instrument.collective(lambda: "the call header", call.number,
                                                     control.exchange, self._comm, call.local))
@@ -393,6 +392,14 @@ class DistributedGradReducer:
             call.head = "ahead" if info.asynchronous or info.sharded else "sent"
         self.nonfinite = False
         return call
+
+    def _settle(self, call: Call, summary: control.Summary) -> None:
+        """Read the summed header into ``call``: free when it is healthy, else collective, and watched."""
+        if summary.healthy(self._comm.Get_size()):
+            settle(call, self._comm, self.options, self._plan, summary)
+        else:
+            self._instrument.collective(lambda: "the reading of the call header", call.number, settle, call,
+                                        self._comm, self.options, self._plan, summary)
 
     def _check(self, grads: Any) -> tuple[Any, Checked]:
         """The full local checks of ``grads``; any other iterable is first made a list, which is returned."""
