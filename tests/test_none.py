@@ -192,3 +192,33 @@ def test_none_among_torch_tensors(torch, pattern):
             else:
                 assert g is kept[i]
                 np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)
+
+
+#: A model small enough to travel whole in the call's first message, with the header.
+SMALL = [(3,), (2, 3), (4,)]
+
+
+@pytest.mark.parametrize("who", ["last", "odd"])
+def test_none_in_a_model_that_travels_whole_with_the_header(who):
+    """Some ranks pass None while the others replay the same arrays (the one-message path of small models)."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    gives_none = (lambda q: q == size - 1) if who == "last" else (lambda q: q % 2 == 1)
+    with DistributedGradReducer([np.zeros(s, np.float32) for s in SMALL], timeout=120, stall_warning=None) as reducer:
+        assert reducer._ctx.whole_with_header == 0
+        mine = [np.zeros(s, np.float32) for s in SMALL]
+        for step in range(5):
+            late = step >= 3  # after the arrays were replayed
+            grads: list[Any] = [None if late and i == 1 and gives_none(rank) else g for i, g in enumerate(mine)]
+            for g in grads:
+                if g is not None:
+                    g[...] = rank + 1 + step
+            result = reducer(grads)
+            for i, g in enumerate(result):
+                giving = [q for q in range(size) if not (late and i == 1 and gives_none(q))]
+                if not giving:
+                    assert g is None
+                    continue
+                assert g is not None and g.shape == SMALL[i], f"step {step}, grads[{i}]: {g!r}"
+                np.testing.assert_allclose(g, sum(q + 1 + step for q in giving) / size, rtol=1e-6,
+                                           err_msg=f"step {step}, grads[{i}]")
+            assert_same_on_all_ranks(WORLD, [g for g in result if g is not None])
