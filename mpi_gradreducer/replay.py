@@ -52,6 +52,8 @@ __all__ = ["Replay", "numpy_layout", "sequence_layout"]
 
 #: Tag of the copies that read the arrays' states (on the reducer's own duplicate of ``COMM_SELF``).
 _TAG = 32767
+#: Sequences shorter than this are told by their entries' ids (cheaper than one copy of their addresses).
+_FEW_ENTRIES = 16
 #: numpy's ``NPY_ARRAY_C_CONTIGUOUS`` and ``NPY_ARRAY_WRITEABLE`` flags.
 _C_CONTIGUOUS, _WRITEABLE = 0x0001, 0x0400
 #: Bytes read from each array's object, in one block from the data pointer: the data pointer,
@@ -263,7 +265,7 @@ _Check = tuple[Callable[[Sequence[Any]], list[Any]], Callable[[Sequence[Any]], A
 class _Armed:
     """A verdict, the objects it is for, and how to tell that they are unchanged."""
 
-    def __init__(self, entries: bytes, checked: Checked, numpy: _NumpyStates | None, others: list[_Check],
+    def __init__(self, entries: bytes | list[int], checked: Checked, numpy: _NumpyStates | None, others: list[_Check],
                  foreign: bool) -> None:
         self.entries = entries
         self.checked = checked
@@ -349,10 +351,13 @@ class Replay:
             self._armed.free()
         self._ids, self._refs, self._dead, self._armed = None, [], _Dead(), None
 
-    def _entries(self, grads: list[Any] | tuple[Any, ...]) -> bytes:
-        """Which objects ``grads`` holds: their addresses, read in one copy where the sequences' layout is known."""
-        offsets = sequence_layout() if self._layout else None
-        return _ids(grads) if offsets is None else _entries(grads, offsets)
+    def _entries(self, grads: list[Any] | tuple[Any, ...]) -> bytes | list[int]:
+        """Which objects ``grads`` holds: their addresses, read in one copy where the sequences' layout is known.
+
+        Below :data:`_FEW_ENTRIES` entries, or where the layout is unknown, their ids (one C loop).
+        """
+        offsets = sequence_layout() if self._layout and len(grads) >= _FEW_ENTRIES else None
+        return list(map(id, grads)) if offsets is None else _entries(grads, offsets)
 
     def _arm(self, grads: Sequence[Any], checked: Checked) -> _Armed | None:
         """The armed state of ``grads`` (just checked into ``checked``), or None when some entry cannot be proven."""

@@ -136,11 +136,16 @@ def test_a_collected_gradient_voids_the_memory():
 
 
 @pytest.mark.parametrize("layout", [True, False])
-def test_replay_refuses_every_change_in_place(layout):
-    """Serially, both ways of reading numpy's state: each change voids the replay, and only that."""
+@pytest.mark.parametrize("count", [len(SHAPES), 2 * len(SHAPES)])
+def test_replay_refuses_every_change_in_place(layout, count):
+    """Serially, both ways of reading numpy's state, few arrays and many: each change voids the replay, and only that.
+
+    (From 16 arrays, which objects a list or tuple holds is read from it in one copy.)
+    """
+    shapes = (SHAPES * 2)[:count]
     local = MPI.COMM_SELF.Dup()
     try:
-        params = [np.zeros(s, np.float32) for s in SHAPES]
+        params = [np.zeros(s, np.float32) for s in shapes]
         with DistributedGradReducer(params, group=MPI.COMM_SELF, timeout=None) as reducer:
             plan = reducer._plan
             for change in [lambda g: setattr(g[0], "shape", (6,)), lambda g: setattr(g[1], "dtype", np.int32),
@@ -148,7 +153,7 @@ def test_replay_refuses_every_change_in_place(layout):
                            lambda g: g[4].__setstate__(np.zeros(9, np.float32).__reduce__()[2]),
                            lambda g: g.__setitem__(3, np.zeros(5, np.float32))]:
                 replay = Replay(local, layout=layout)
-                grads = [np.zeros(s, np.float32) for s in SHAPES]
+                grads = [np.zeros(s, np.float32) for s in shapes]
                 for _ in range(2):
                     assert replay.recall(grads) is None
                     replay.remember(grads, check_grads(grads, plan, True))
