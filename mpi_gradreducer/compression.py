@@ -255,9 +255,10 @@ def compressed_allreduce(
         compression: the wire format.
         chunk_bytes: wire bytes per collective.
         method: ``"alltoall"`` (default): each rank receives every rank's
-            share of one slice of the chunk (``Alltoallv``), adds them in
+            share of one equal slice of the chunk (``Alltoall``), adds them in
             float32 in rank order, rounds once, and the slices are shared
-            again (``Allgatherv``): every element is the correctly rounded
+            again (``Allgather``; the last ``n % size`` elements are gathered
+            whole and summed on every rank): every element is the correctly rounded
             float32 sum, and no Python code runs inside MPI. ``"allreduce"``:
             one ``Allreduce`` with :meth:`Compression.op`; each step of MPI's
             reduction tree rounds its partial sum to the wire format. Both
@@ -310,7 +311,6 @@ class SliceSum:
         self.step = max(1, int(chunk_bytes) // compression.wire_dtype.itemsize)
         self._recv: Any = None
         self._acc: Any = None
-        self._layout: tuple[int, list[int], list[int], int] = (-1, [], [], 0)
 
     def reduce(self, buf: Any, scale: float = 1.0, after: Callable[[Any], None] | None = None) -> int:
         """Sum the 1-D wire buffer ``buf`` chunk by chunk (:meth:`__call__` each); returns the collectives made.
@@ -337,37 +337,45 @@ class SliceSum:
                 with np.errstate(over="ignore"):
                     np.multiply(chunk, scale, out=chunk, dtype=np.float32, casting="unsafe")
             return int(self.size > 1)
-        n, counts, displs, mine = self._split(chunk.shape[0])
-        size = self.size
-        if self._recv is None or self._recv.shape[0] < size * mine:
-            share = -(-min(self.step, max(n, 1)) // size)
-            self._recv = np.empty(size * max(share, mine), dtype=np.uint16)
-            self._acc = np.empty(max(share, mine), dtype=np.float32)
+        n, size = chunk.shape[0], self.size
+        if n < size:
+            return self._gathered(chunk, scale)
+        block = n // size
         bits = chunk.view(np.uint16)
-        recv = self._recv[: size * mine]
+        body = bits[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
         u16 = self.compression.mpi_datatype()
-        self.comm.Alltoallv(
-            [bits, (counts, displs), u16],
-            [recv, ([mine] * size, [k * mine for k in range(size)]), u16],
-        )
-        rows = recv.view(self.compression.wire_dtype).reshape(size, mine)
-        acc = self._acc[:mine]
+        recv = self._rows(size * block)
+        self.comm.Alltoall([body, u16], [recv, u16])
+        seg = chunk[self.rank * block : (self.rank + 1) * block]
+        self._sum_rows(recv.view(self.compression.wire_dtype).reshape(size, block), seg, scale)
+        self.comm.Allgather(MPI.IN_PLACE, [body, u16])
+        if body.shape[0] == n:
+            return 2
+        return 2 + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
+
+    def _gathered(self, chunk: Any, scale: float) -> int:
+        """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it (a chunk shorter than the ranks)."""
+        n, u16 = chunk.shape[0], self.compression.mpi_datatype()
+        rows = self._rows(self.size * n)
+        self.comm.Allgather([chunk.view(np.uint16), u16], [rows, u16])
+        self._sum_rows(rows.view(self.compression.wire_dtype).reshape(self.size, n), chunk, scale)
+        return 1
+
+    def _sum_rows(self, rows: Any, out: Any, scale: float) -> None:
+        """``out`` = the rows' float32 sum in rank order, times ``scale``, rounded once to the wire format."""
+        acc = self._acc[: rows.shape[1]]
         np.copyto(acc, rows[0], casting="unsafe")
-        for k in range(1, size):  # rank order: the same bits wherever it is computed
+        for k in range(1, rows.shape[0]):  # rank order: the same bits wherever it is computed
             np.add(acc, rows[k], out=acc, dtype=np.float32, casting="unsafe")
         if scale != 1.0:
             np.multiply(acc, np.float32(scale), out=acc)
-        seg = chunk[displs[self.rank] : displs[self.rank] + mine]
         with np.errstate(over="ignore"):
-            np.copyto(seg, acc, casting="unsafe")
-        self.comm.Allgatherv(MPI.IN_PLACE, [bits, (counts, displs), u16])
-        return 2
+            np.copyto(out, acc, casting="unsafe")
 
-    def _split(self, n: int) -> tuple[int, list[int], list[int], int]:
-        """Slice k of an ``n``-element chunk is summed by rank k."""
-        if self._layout[0] != n:
-            size = self.size
-            bounds = [k * n // size for k in range(size + 1)]
-            counts = [bounds[k + 1] - bounds[k] for k in range(size)]
-            self._layout = (n, counts, bounds[:-1], counts[self.rank])
-        return self._layout
+    def _rows(self, count: int) -> Any:
+        """``count`` elements of the receive buffer (and as many / size of the float32 accumulator), reused."""
+        if self._recv is None or self._recv.shape[0] < count:
+            share = max(-(-self.step // self.size), -(-count // self.size))
+            self._recv = np.empty(self.size * share, dtype=np.uint16)
+            self._acc = np.empty(share, dtype=np.float32)
+        return self._recv[:count]

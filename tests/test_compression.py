@@ -181,6 +181,25 @@ def test_alltoall_sum_is_the_correctly_rounded_sum(comm):
     comp.free()
 
 
+def test_alltoall_sum_is_the_rank_order_float32_sum_scaled_and_rounded_once(comm, comp):
+    """Random data, bit for bit: ``wire(((g0 + g1) + g2 ...) * scale)`` in float32, whatever the chunking.
+
+    Chunks of equal slices, with a remainder of fewer elements than ranks, and shorter than the ranks.
+    """
+    size, rank = comm.Get_size(), comm.Get_rank()
+    n, scale = 3001, 1.0 / (size + 1)
+    everyone = [e.astype(comp.wire_dtype) for e in _inputs(comm, n, seed=23)]
+    total = everyone[0].astype(np.float32)
+    for e in everyone[1:]:
+        total = total + e.astype(np.float32)  # float32, rank order
+    expected = (total * np.float32(scale)).astype(comp.wire_dtype)
+    for chunk_bytes in (1 << 20, 998, max(2, 2 * size - 2)):
+        wire = everyone[rank].copy()
+        compressed_allreduce(comm, wire, comp, chunk_bytes, scale=scale)
+        np.testing.assert_array_equal(wire.view(np.uint16), expected.view(np.uint16), err_msg=f"{chunk_bytes}")
+        assert_same_on_all_ranks(comm, [wire])
+
+
 def test_allreduce_method_error_bound(comm, comp):
     """With the op, each level of MPI's reduction tree rounds: error within (size - 1) roundings."""
     size, rank = comm.Get_size(), comm.Get_rank()
