@@ -10,7 +10,8 @@ members, is a list of :class:`Piece`\\ s: ``(index, start, stop)``, a flat
 element range of one parameter (:func:`layout`, a pure function of the
 buckets and the number of ranks). Each rank keeps optimizer state for its
 pieces only and updates those elements of its parameters; then
-``shard.allgather(params)`` is the other half: one ``Allgatherv`` per chunk,
+``shard.allgather(params)`` is the other half: one ``Allgather`` per chunk
+(``Allgatherv`` where the slices are unequal),
 in the parameters' own dtype, puts every rank's pieces into every rank's
 ``params``.
 
@@ -295,9 +296,13 @@ class Sharder:
             wire = _bits(whole)
             for c0, n, counts, displs, _ in self.chunks(k):
                 if self.size > 1:
-                    self.instrument.collective(
-                        partial("allgather of bucket {} ({} bytes)".format, k, b.count * b.dtype.itemsize), shard.call,
-                        self.comm.Allgatherv, MPI.IN_PLACE, [wire[c0: c0 + n], (counts, displs)])
+                    what = partial("allgather of bucket {} ({} bytes)".format, k, b.count * b.dtype.itemsize)
+                    if counts.count(counts[0]) == self.size:  # MPICH's Allgatherv is far slower than its Allgather
+                        self.instrument.collective(what, shard.call, self.comm.Allgather, MPI.IN_PLACE,
+                                                   wire[c0: c0 + n])
+                    else:
+                        self.instrument.collective(what, shard.call, self.comm.Allgatherv, MPI.IN_PLACE,
+                                                   [wire[c0: c0 + n], (counts, displs)])
                 self.instrument.stats.messages += 1
             if whole is not self._gathered[k]:
                 continue  # gathered where it lies
