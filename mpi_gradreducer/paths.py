@@ -286,15 +286,16 @@ class HostPath(PackedPath):
         f = ctx.plan.buffers[0]
         members = call.members(f)
         run = f.in_place(members, call.epoch)
+        packed = run is None  # else reduced where it lies (the reducer's own views, one array, one block)
         t0 = time.perf_counter()
-        if run is None:
+        if packed:
             f.pack(members, 1.0, (), call.epoch)
             run = f.buffer
         t1 = time.perf_counter()
         ctx.first_message(call, run, packed=run is f.buffer)
         call.head = "sent"
         t2 = time.perf_counter()
-        if run is f.buffer:
+        if packed:  # only what this call packed is unpacked
             f.unpack(members, 1.0, (), packed=True)
         ctx.record(call, (0,), t0, t1, t2, time.perf_counter())
 

@@ -50,9 +50,9 @@ def _best(fn: Callable[[], object], number: int, repeat: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=repeat)) / number * 1e6
 
 
-def _floor(grads: list[np.ndarray]) -> Callable[[], None]:
+def _floor(grads: list[np.ndarray]) -> tuple[Callable[[], None], Callable[[], None]]:
     """The benchmark's ``packed-floor``: one MPI copy in (an ``hindexed`` datatype), one Allreduce, the scaling,
-    one MPI copy out; nothing else."""
+    one MPI copy out; nothing else. Returns it, and what frees its MPI handles."""
     buf = np.empty(sum(g.size for g in grads), grads[0].dtype)
     local, comm, scale = MPI.COMM_SELF.Dup(), MPI.COMM_WORLD, 1.0 / MPI.COMM_WORLD.Get_size()
     members = MPI.BYTE.Create_hindexed([g.nbytes for g in grads], [MPI.Get_address(g) for g in grads]).Commit()
@@ -62,7 +62,11 @@ def _floor(grads: list[np.ndarray]) -> Callable[[], None]:
         comm.Allreduce(MPI.IN_PLACE, buf)
         np.multiply(buf, scale, out=buf)
         local.Sendrecv([buf, MPI.BYTE], 0, 0, [MPI.BOTTOM, 1, members], 0, 0)
-    return floor
+
+    def free() -> None:
+        members.Free()
+        local.Free()
+    return floor, free
 
 
 class _Steps:
@@ -183,14 +187,17 @@ def main(argv: list[str] | None = None) -> None:
     shapes: list[tuple[int, ...]] = [(args.size,)] * args.count if args.count else MLP
     rng = np.random.default_rng(0)
     grads = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    floor = _floor(grads)
-    with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes]) as r:
-        steps = _Steps(r, grads)
-        rows = alone(steps, floor, args.number, args.repeat)
-        turns = interleaved(steps, floor, args.reps)
-        profiler = cProfile.Profile()
-        profiler.runcall(lambda: [r(grads) for _ in range(args.number)])
-        functions = pstats.Stats(profiler).total_calls / args.number  # type: ignore[attr-defined]
+    floor, free = _floor(grads)
+    try:
+        with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes]) as r:
+            steps = _Steps(r, grads)
+            rows = alone(steps, floor, args.number, args.repeat)
+            turns = interleaved(steps, floor, args.reps)
+            profiler = cProfile.Profile()
+            profiler.runcall(lambda: [r(grads) for _ in range(args.number)])
+            functions = pstats.Stats(profiler).total_calls / args.number  # type: ignore[attr-defined]
+    finally:
+        free()
     if MPI.COMM_WORLD.Get_rank() != 0:
         return
     nbytes = 4 * sum(int(np.prod(s)) for s in shapes)

@@ -229,3 +229,22 @@ def test_a_torch_tensor_changed_in_place_takes_the_full_path(torch, kind):
             with pytest.raises(expected[0], match=expected[1]):
                 reducer(grads)
             assert all(torch.equal(g.detach(), b) for g, b in zip(grads, before, strict=True)), "a tensor was modified"
+
+
+def test_views_after_ordinary_arrays_write_nothing_else():
+    """A bucket of many members that travels whole with the header, packed by one MPI copy each way: once the
+    reducer's own views come instead, they are reduced where they lie, and the earlier arrays stay untouched."""
+    comm = WORLD
+    shapes = [(10,)] * 16
+    params = [np.zeros(s, np.float32) for s in shapes]
+    with DistributedGradReducer(params, group=comm, degree=comm.Get_size() + 1) as reducer:
+        assert reducer._ctx.whole_with_header == 0 and reducer._plan.buffers[0]._gather is not None
+        earlier = [np.zeros(s, np.float32) for s in shapes]
+        _armed(reducer, earlier, comm)  # packed and unpacked by the copies' datatype, then replayed
+        _fill(earlier, -7.0)
+        views = reducer.allocate_grads()
+        for _ in range(2):
+            _fill(views, _value(comm))
+            reducer(views)
+            assert all(np.allclose(v, _mean(comm)) for v in views)
+        assert all(np.all(a == -7.0) for a in earlier), "an array of an earlier call was written"
