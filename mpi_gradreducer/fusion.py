@@ -51,7 +51,7 @@ class FusionBuffer:
         if buffer is not None or self.buffer is None:
             b = self.bucket
             self.buffer = backend.empty(b.count, b.wire_dtype, b.device) if buffer is None else buffer
-            self._gathered = False  # nothing packed into this buffer yet
+            self._gathered, self._run = False, None  # nothing packed into this buffer yet, nothing known of it
             self.views = [
                 self.buffer[o : o + n].reshape(s) for o, n, s in zip(b.offsets, b.sizes, self._shapes, strict=True)
             ]
