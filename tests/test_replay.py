@@ -248,3 +248,50 @@ def test_views_after_ordinary_arrays_write_nothing_else():
             reducer(views)
             assert all(np.allclose(v, _mean(comm)) for v in views)
         assert all(np.all(a == -7.0) for a in earlier), "an array of an earlier call was written"
+
+
+@pytest.mark.parametrize("first_bucket", ["whole-with-header", "larger"])
+def test_a_random_sequence_of_call_kinds_writes_each_calls_arrays_only(first_bucket):
+    """Calls of every kind in a random order (the same order on every rank): new arrays, the same arrays again
+    (replayed), the reducer's own views, arrays lying back to back in one block, a None on odd ranks. Each call's
+    arrays get the mean; every array of other calls keeps its value (no state of an earlier call leaks into a
+    later one), except the reducer's views, which are its buffers: other arrays are packed there."""
+    comm = WORLD
+    size, rank = comm.Get_size(), comm.Get_rank()
+    shapes = [(5,)] * 9 + [(3, 2)] + ([(20000,)] if first_bucket == "larger" else [])
+    rng = np.random.default_rng(2024)  # the same sequence on every rank
+    params = [np.zeros(s, np.float32) for s in shapes]
+    with DistributedGradReducer(params, group=comm, degree=size + 1, bucket_bytes=1 << 20) as reducer:
+        assert (reducer._ctx.whole_with_header == 0) == (first_bucket == "whole-with-header")
+        same = [np.zeros(s, np.float32) for s in shapes]
+        views: list = []
+        block = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)
+        starts = np.cumsum([0] + [int(np.prod(s)) for s in shapes])
+        lying = [block[a:b].reshape(s) for a, b, s in zip(starts[:-1], starts[1:], shapes, strict=True)]
+        seen: list[np.ndarray] = []  # every array handed to the reducer so far, holding -7 between its calls
+        for step in range(40):
+            kind = rng.choice(["fresh", "same", "views", "block", "none"])
+            if kind == "views" and not views:
+                views = reducer.allocate_grads()
+            grads: list = {"fresh": lambda: [np.zeros(s, np.float32) for s in shapes], "same": lambda: same,
+                           "views": lambda: views, "block": lambda: lying,
+                           "none": lambda: [None if i == 1 and rank % 2 else np.zeros(s, np.float32)
+                                            for i, s in enumerate(shapes)]}[kind]()
+            mine = [g for g in grads if g is not None]
+            for g in mine:
+                g[...] = rank + 1 + step
+            others = [a for a in seen if not any(a is g for g in mine)]
+            result = reducer(list(grads))
+            want = sum(q + 1 + step for q in range(size)) / (size + 1)
+            for i, g in enumerate(result):
+                if kind == "none" and i == 1:
+                    giving = [q for q in range(size) if q % 2 == 0]
+                    want_i = sum(q + 1 + step for q in giving) / (size + 1)
+                    np.testing.assert_allclose(g, want_i, rtol=1e-6, err_msg=f"step {step} ({kind}), grads[1]")
+                else:
+                    np.testing.assert_allclose(g, want, rtol=1e-6, err_msg=f"step {step} ({kind}), grads[{i}]")
+            assert all(np.all(a == -7.0) for a in others), f"step {step} ({kind}): another call's array was written"
+            for g in result:
+                g[...] = -7.0
+                if kind != "views" and not any(g is a for a in seen):
+                    seen.append(g)
