@@ -273,10 +273,12 @@ def test_a_random_sequence_of_call_kinds_writes_each_calls_arrays_only(first_buc
             kind = rng.choice(["fresh", "same", "views", "block", "none"])
             if kind == "views" and not views:
                 views = reducer.allocate_grads()
-            grads: list = {"fresh": lambda: [np.zeros(s, np.float32) for s in shapes], "same": lambda: same,
-                           "views": lambda: views, "block": lambda: lying,
-                           "none": lambda: [None if i == 1 and rank % 2 else np.zeros(s, np.float32)
-                                            for i, s in enumerate(shapes)]}[kind]()
+            if kind == "fresh":
+                grads: list = [np.zeros(s, np.float32) for s in shapes]
+            elif kind == "none":
+                grads = [None if i == 1 and rank % 2 else np.zeros(s, np.float32) for i, s in enumerate(shapes)]
+            else:
+                grads = {"same": same, "views": views, "block": lying}[kind]
             mine = [g for g in grads if g is not None]
             for g in mine:
                 g[...] = rank + 1 + step
