@@ -26,6 +26,7 @@ ops per process, so free the ones you no longer need).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, overload
@@ -288,6 +289,15 @@ def compressed_allreduce(
 _METHODS = ("alltoall", "allreduce")
 
 
+@functools.cache
+def _float16_table() -> np.ndarray:
+    """The float32 value of every float16 bit pattern (256 KiB, read-only): ``table[bits]`` is numpy's own cast,
+    at 0.7 ns an element where the cast takes 1.2 (measured for 1 Mi elements on this machine)."""
+    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+    table.flags.writeable = False
+    return table
+
+
 class SliceSum:
     """Sums one 16-bit chunk at a time across ``comm`` in float32, reusing its scratch buffers.
 
@@ -311,6 +321,7 @@ class SliceSum:
         self.step = max(1, int(chunk_bytes) // compression.wire_dtype.itemsize)
         self._recv: Any = None
         self._acc: Any = None
+        self._tmp: Any = None
 
     def reduce(self, buf: Any, scale: float = 1.0, after: Callable[[Any], None] | None = None) -> int:
         """Sum the 1-D wire buffer ``buf`` chunk by chunk (:meth:`__call__` each); returns the collectives made.
@@ -363,10 +374,18 @@ class SliceSum:
 
     def _sum_rows(self, rows: Any, out: Any, scale: float) -> None:
         """``out`` = the rows' float32 sum in rank order, times ``scale``, rounded once to the wire format."""
-        acc = self._acc[: rows.shape[1]]
-        np.copyto(acc, rows[0], casting="unsafe")
-        for k in range(1, rows.shape[0]):  # rank order: the same bits wherever it is computed
-            np.add(acc, rows[k], out=acc, dtype=np.float32, casting="unsafe")
+        n = rows.shape[1]
+        acc = self._acc[:n]
+        if rows.dtype == np.float16:  # numpy's float16 casts are slow; a table gives the same float32 values
+            table, bits, tmp = _float16_table(), rows.view(np.uint16), self._tmp[:n]
+            np.take(table, bits[0], out=acc)
+            for k in range(1, rows.shape[0]):  # rank order: the same bits wherever it is computed
+                np.take(table, bits[k], out=tmp)
+                np.add(acc, tmp, out=acc)
+        else:
+            np.copyto(acc, rows[0], casting="unsafe")
+            for k in range(1, rows.shape[0]):
+                np.add(acc, rows[k], out=acc, dtype=np.float32, casting="unsafe")
         if scale != 1.0:
             np.multiply(acc, np.float32(scale), out=acc)
         with np.errstate(over="ignore"):
@@ -377,5 +396,5 @@ class SliceSum:
         if self._recv is None or self._recv.shape[0] < count:
             share = max(-(-self.step // self.size), -(-count // self.size))
             self._recv = np.empty(self.size * share, dtype=np.uint16)
-            self._acc = np.empty(share, dtype=np.float32)
+            self._acc, self._tmp = np.empty(share, dtype=np.float32), np.empty(share, dtype=np.float32)
         return self._recv[:count]
