@@ -101,9 +101,16 @@ class Gloo:
                                 timeout=datetime.timedelta(seconds=300))
         self.size = size
         self.version = torch.__version__
+        self._comm = comm
 
     def close(self) -> None:
-        """Destroy the process group and restore torch's thread count."""
+        """Destroy the process group once every rank is done with it, and restore torch's thread count.
+
+        (A rank that destroys its group while another still reads the last messages closes that rank's
+        sockets under gloo's threads.)
+        """
+        self.dist.barrier()
+        self._comm.Barrier()
         self.dist.destroy_process_group()
         self.torch.set_num_threads(self._threads)
 
