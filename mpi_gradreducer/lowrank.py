@@ -127,6 +127,7 @@ class LowRankPath:
         for i in self.indices:
             keyed.setdefault((specs[i].device, compute_dtype(specs[i].dtype).str), []).append(i)
         self.groups = [_Group(members, specs, self.config.rank) for members in keyed.values()]
+        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order sums of host buffers, by dtype
         #: The Q the next compressed call uses, per parameter, transposed (``rank x m``, on the parameter's device).
         self.q: dict[int, Any] = {}
         #: This rank's error per parameter, shaped like the parameter (with error feedback only).
@@ -380,20 +381,29 @@ class LowRankPath:
         scaled_copy(grad, scratch)
         return scratch
 
-    def _sum(self, g: _Group, buf: Any, call: Call, scale: float, what: str, after: Any = None) -> None:
-        """Sum ``buf`` (1-D) of group ``g`` over the ranks in place, times ``scale`` (collective)."""
+    def _sum(self, g: _Group, buf: Any, call: Call, scale: float, what: str) -> None:
+        """Sum ``buf`` (1-D) of group ``g`` over the ranks in place, times ``scale`` (collective).
+
+        Host sums reuse one rank-order summer per dtype, and are all formed in rank order with ``deterministic``.
+        """
         def describe() -> str:
             return f"PowerSGD {what} ({buf.nbytes} bytes, {g.dtype} on {g.device})"
+
+        def allreduce(data: Any) -> int:
+            ordered = None
+            if isinstance(data, np.ndarray):
+                ordered = self._summers.get(data.dtype)
+                if ordered is None:
+                    ordered = self._summers[data.dtype] = transport.OrderedSum(self.comm, data.dtype)
+            return transport.allreduce(self.comm, data, scale, ordered=ordered, every_chunk=self.options.deterministic)
 
         if g.host or self.options.cuda_aware:
             if g.ops is not None:
                 g.ops.ready_for_mpi()
-            self.instrument.stats.messages += self.instrument.collective(
-                describe, call.number, transport.allreduce, self.comm, buf, scale, after=after)
+            self.instrument.stats.messages += self.instrument.collective(describe, call.number, allreduce, buf)
             return
         host = backend.to_numpy(buf)  # no CUDA-aware MPI: through host memory
-        self.instrument.stats.messages += self.instrument.collective(
-            describe, call.number, transport.allreduce, self.comm, host, scale, after=after)
+        self.instrument.stats.messages += self.instrument.collective(describe, call.number, allreduce, host)
         backend.copy_from_host(buf, host)
 
     def _record(self, call: Call, nbytes: int, t0: float, before: float, mpi: float, after: float) -> None:

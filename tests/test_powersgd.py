@@ -323,6 +323,7 @@ def test_check_finite_flags_nan_everywhere_and_keeps_the_state():
         assert np.array_equal(after["q"][0], before["q"][0])
         assert np.array_equal(after["error"][0], before["error"][0])
         assert not np.isnan(after["error"][3]).any()  # the other matrices went on
+        assert not np.array_equal(after["error"][3], before["error"][3])
         reducer(_grads(rng, params))
         assert not reducer.nonfinite
 
@@ -519,3 +520,22 @@ def test_gradients_of_lower_rank_than_powersgd_come_back_exactly():
             total = [sum(parts) for parts in zip(*WORLD.allgather([g.astype(np.float64) for g in grads]), strict=True)]
             reducer(grads)
             assert all(_close(g, t / size, 1e-4) for g, t in zip(grads, total, strict=True))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_deterministic_sums_the_warm_up_calls_in_rank_order():
+    """With ``deterministic=True`` the calls before ``start_iter`` (the compressed parameters summed as they are)
+    are the rank-order sums ``((g0 + g1) + g2) + ...``, bit for bit, on random float32 data."""
+    params = _params(SHAPES32, np.float32)
+    rng = np.random.default_rng(101 + WORLD.Get_rank())
+    with DistributedGradReducer(params, compression=PowerSGD(rank=2, start_iter=3), mean=False,
+                                deterministic=True) as reducer:
+        for _ in range(2):
+            grads = _grads(rng, params)
+            everyone = [_gather(g) for g in grads]
+            reducer(grads)
+            for i, (g, rows) in enumerate(zip(grads, everyone, strict=True)):
+                want = rows[0].copy()
+                for r in rows[1:]:
+                    want = want + r
+                np.testing.assert_array_equal(g.view(np.uint32), want.view(np.uint32), err_msg=f"grads[{i}]")
