@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import agreement, groups, interop, planning
+from . import agreement, backend, groups, interop, planning
 from .reducer import DistributedGradReducer
 from .shard import Shard
 from .steps import ReductionStep
@@ -286,21 +286,23 @@ class DistributedOptimizer:
                 rank ran backward between ``synchronize()`` and this step (one
                 small message after a ``synchronize()`` of the caller's, while
                 no rank is in ``join()``); or inside ``skip_synchronize()``
-                while a reduction is in flight.
+                after a backward pass that ``synchronize()`` did not reduce.
         """
         if closure is not None:
             raise ValueError("step(closure): closures are not supported (their backward would not be reduced)")
         explicit = self._synchronized
         if not self._skip_sync:
             self.synchronize()
-        elif self._step is not None:
-            raise RuntimeError("step() inside skip_synchronize() while a reduction is in flight: call "
+        elif self._fired_any and not self._synchronized:  # whatever the progress mode: nothing reduced yet
+            raise RuntimeError("step() inside skip_synchronize() after a backward pass that was not reduced: call "
                                "synchronize() before it")
         if explicit and self.reducer.contributors == self._size:
             late = RuntimeError(self._failures[0][1]) if self._failures else None  # since synchronize()
-            if late is not None:
-                self._reset()
-            agreement.raise_if_any(self._control, late)
+            try:
+                agreement.raise_if_any(self._control, late)
+            except BaseException:
+                self._reset()  # on every rank: the next step starts afresh everywhere
+                raise
         result = self.optimizer.step()
         self._steps += 1
         self._reset()
@@ -652,7 +654,8 @@ def clip_grad_norm_(target: DistributedOptimizer | Shard, max_norm: float, norm_
     p = float(norm_type)
     local = np.zeros(1, dtype=np.float64)
     for piece in target:
-        g = np.abs(np.asarray(piece.grad, dtype=np.float64))
+        grad = piece.grad if isinstance(piece.grad, np.ndarray) else backend.to_numpy(piece.grad)  # device pieces
+        g = np.abs(grad.astype(np.float64, copy=False))
         if g.size:
             local[0] = max(local[0], float(g.max())) if math.isinf(p) else local[0] + float(np.sum(g ** p))
     target.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX if math.isinf(p) else MPI.SUM)

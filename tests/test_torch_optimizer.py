@@ -109,6 +109,7 @@ def test_steps_average_and_keep_bucket_views(torch, dt):
             expected = [WORLD.allreduce(g.numpy()) / WORLD.Get_size() for g in local]
             for p, e in zip(net.parameters(), expected, strict=True):
                 np.testing.assert_allclose(p.grad.numpy(), e, rtol=1e-13, atol=1e-15)
+            assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(net.parameters(), opt._grads, strict=True))
         assert opt.synchronized is False
         assert "SGD" in repr(opt) and opt.param_groups is opt.optimizer.param_groups
     assert_same_on_all_ranks(WORLD, _params(net))
@@ -159,6 +160,27 @@ def test_misuse_on_one_rank_raises_on_every_rank(torch, dt, misuse, progress):
         opt.zero_grad()
         _backward(torch, net, 2)
         opt.step()
+    assert_same_on_all_ranks(WORLD, _params(net))
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("progress", ["deferred", "thread"])
+def test_step_inside_skip_synchronize_without_synchronize_raises(torch, dt, progress):
+    """Every rank steps without reducing: refused (the models would part), in either progress mode."""
+    net = _net(torch)
+    dt.broadcast_parameters(net)
+    with dt.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), progress=progress) as opt:
+        before = _params(net)
+        opt.zero_grad()
+        _backward(torch, net)
+        with pytest.raises(RuntimeError, match=r"inside skip_synchronize\(\) after a backward pass that was not "
+                                               r"reduced"), opt.skip_synchronize():
+            opt.step()
+        for a, b in zip(before, _params(net), strict=True):  # nothing stepped
+            np.testing.assert_array_equal(a, b)
+        opt.synchronize()  # usable afterwards
+        with opt.skip_synchronize():
+            opt.step()
     assert_same_on_all_ranks(WORLD, _params(net))
 
 
