@@ -351,12 +351,16 @@ def cuda_aware_default() -> tuple[bool | None, str]:
     return transport.cuda_support()
 
 
+#: The header's PowerSGD fields: whether it is on, then its options.
+_POWERSGD_FIELDS = 1 + len(PowerSGD().signature())
+
+
 def signature(options: Options, specs: Sequence[ParamSpec]) -> list[tuple[int, ...]]:
     """What every rank's reducer must have in common: one header row, one row per parameter."""
     cap = -1 if options.bucket_bytes is None else options.bucket_bytes
     kind = 0 if options.compression is None else 1 + wire.COMPRESSIONS.index(options.compression)
     predivide = 0.0 if options.predivide is None else options.predivide
-    powersgd = (1, *options.powersgd.signature()) if options.powersgd is not None else (0,) * 7
+    powersgd = (1, *options.powersgd.signature()) if options.powersgd is not None else (0,) * _POWERSGD_FIELDS
     header = (len(specs), cap, int(options.mean), options.degree, int(options.cuda_aware), kind,
               int(predivide * 1e6), PROGRESS_MODES.index(options.progress), int(options.fixed_degree),
               int(options.check_finite), int(options.coalesce), int(options.timeline is not None), *powersgd,
@@ -375,7 +379,7 @@ def describe_row(index: int, row: tuple[int, ...]) -> str:
         return "(parameters={}, bucket_bytes={}, mean={}, degree={}, cuda_aware={}, ".format(*row[:5]) + \
             f"compression={names[row[5]]!r}, predivide={row[6] / 1e6:g}, progress={PROGRESS_MODES[row[7]]!r}, " \
             "degree given={}, check_finite={}, coalesce={}, timeline={}, ".format(*row[8:12]) + \
-            _describe_powersgd(row[12:19]) + f", deterministic={row[19]})"
+            _describe_powersgd(row[12:12 + _POWERSGD_FIELDS]) + f", deterministic={row[12 + _POWERSGD_FIELDS]})"
     dtype, fid, skip, device_kind, ndim, *shape = row
     return (
         f"shape {tuple(shape)} {SUPPORTED_NAMES[dtype]} on {'cpu' if device_kind == 0 else 'gpu'} "

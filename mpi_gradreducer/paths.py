@@ -67,8 +67,7 @@ class Context:
         self._head_count = 0 if first is None else min(first.count, max(1, HEAD_BYTES // first.wire_dtype.itemsize))
         #: The carrier when all of it travels in the first message (a small model's one bucket), else None.
         self.whole_with_header = self.carrier if first is not None and first.count <= self._head_count else None
-        # a small first bucket is packed behind the header
-        if carried and first is not None and first.count <= self.head_count():
+        if self.whole_with_header is not None:  # a small first bucket is packed behind the header
             self._first_message()
             plan.buffers[0].allocate(self._body)  # (until allocate_grads gives it another buffer)
 

@@ -159,11 +159,10 @@ def test_powersgd_methods_report_bytes_the_peer_and_the_modelled_link():
     assert 0 < stats["reducer-powersgd"]["wire_bytes"] < stats["reducer"]["wire_bytes"] == 38440
     link = res["powersgd_link"]
     assert link["ranks"] == 4 and set(link["parts"]) == {"reducer", "reducer-powersgd"}
-    saved = (stats["reducer"]["wire_bytes"] - stats["reducer-powersgd"]["wire_bytes"]) * 1.5
     b = link["break_even_Bps"]  # where the two modelled times meet
     if b not in (None, float("inf")):
         times = [powersgd.link_time_ms(link["parts"][m], b, 4) for m in ("reducer", "reducer-powersgd")]
-        assert math.isclose(*times, rel_tol=1e-9) and saved > 0
+        assert math.isclose(*times, rel_tol=1e-9)
     text = host.format_workload("small", res)
     assert "bytes per call (stats.bytes): reducer 38440, reducer-powersgd" in text
     assert ("reducer-powersgd / torch-powersgd = " in text) == ("torch-powersgd" in methods)

@@ -65,6 +65,10 @@ def test_gather_copies_members_both_ways_and_rebuilds_when_they_change(local, dt
             buf[...] = expected
             assert g.unpack(buf, members, just_packed)
             np.testing.assert_array_equal(np.concatenate(members), expected)
+        kept = g._type
+        assert g.pack(members, buf, epoch)  # once more: the datatype is kept within an epoch only
+        assert (g._type is kept) == (epoch is not None)
+        np.testing.assert_array_equal(buf, np.concatenate(members))
     g.free()
     g.free()  # idempotent
 

@@ -67,7 +67,7 @@ def _same_everywhere(comm: MPI.Intracomm, model: Any) -> Callable[[], bool]:
 
 
 def bench_step(comm: MPI.Intracomm, layers: int, width: int, batch: int, methods: Sequence[str], reps: int,
-               warmup: int, say: Callable[[str], None]) -> dict[str, Any]:
+               warmup: int) -> dict[str, Any]:
     """Time one training step per method, interleaved (collective).
 
     Returns:
@@ -116,12 +116,10 @@ def bench_step(comm: MPI.Intracomm, layers: int, width: int, batch: int, methods
                 cases.append(Case("ddp-gloo", nothing, step_of(ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3,
                                                                                       momentum=0.9)),
                                   _same_everywhere(comm, model)))
-                holder = [ddp]
 
                 def drop_ddp() -> None:  # gloo's worker must be idle before DDP goes (torch 2.13 deadlocks)
                     gloo.dist.barrier()
                     time.sleep(0.2)
-                    holder.clear()
                 closers.append(drop_ddp)
             else:
                 skipped["ddp-gloo"] = "torch with gloo is not importable on every rank"
@@ -208,7 +206,7 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
     try:
         results: dict[str, Any] = {"environment": environment(comm, "mpi_gradreducer.bench torch-optimizer", argv)}
         results["step"] = bench_step(comm, args.layers, args.width, args.batch, args.methods, args.reps,
-                                     args.warmup, say)
+                                     args.warmup)
         results["environment"]["loadavg_at_end"] = loadavg()
         say(format_step(results["step"]))
         if args.json and comm.Get_rank() == 0:
