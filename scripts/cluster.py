@@ -1,0 +1,438 @@
+#!/usr/bin/env python3
+"""A cluster of hosts on one Linux machine: network namespaces on a bridge, MPI over TCP between them.
+
+Each host is a network namespace with one NIC (``eth0``, a veth pair whose
+other end is on a bridge in the root namespace) and an address
+``198.18.N.i/24`` (``i`` = 1, 2, ... is the host's number; ``N`` picks a free
+subnet of 198.18.0.0/15, the range reserved for benchmark networks). The
+bridge holds ``198.18.N.254``, where ``mpiexec`` runs. A NIC's send rate can
+be shaped with ``tc tbf`` (``--rate 1gbit``); there is no latency emulation.
+Processes on a host also get a host name of their own (a UTS namespace), so
+``MPI.Get_processor_name()`` tells the hosts apart. No route leads anywhere
+but the bridge: nothing a host sends leaves the machine.
+
+Commands (as root)::
+
+    cluster.py up --hosts 2 --rate 1gbit          # H hosts, NICs shaped (or --rate none)
+    cluster.py run --ppn 2 -- python job.py       # mpiexec across the hosts, P ranks per host
+    cluster.py run --hosts 2 --ppn 2 -- CMD ...   # up, run, down in one go (down also on failure)
+    cluster.py exec 2 -- ip addr                  # one command on host 2
+    cluster.py cut 2 / cluster.py restore 2       # host 2's link down (packets dropped) / up again
+    cluster.py stats                              # bytes each host has sent and received
+    cluster.py down                               # kill what runs on the hosts, remove everything
+    cluster.py check                              # exit 0 if namespaces work here, 3 (and why) if not
+
+``--name`` (default ``mgr``) prefixes every namespace and interface, so that
+several clusters can coexist. ``run`` launches ``mpiexec`` (the one beside
+this Python, else the first on ``PATH``) with Hydra's ssh launcher pointed at
+this script, which starts each host's proxy inside that host's namespace; MPI
+goes over TCP between hosts (``UCX_TLS=tcp,self`` on ``eth0``; ranks on one
+host share memory as usual). After ``mpiexec`` ends, processes still running
+on a host (a proxy cut off from ``mpiexec``, say) are named on stderr and
+killed. ``run --timeout S`` kills the whole job after S seconds (exit 124).
+
+Exit status: the command's; 2 for bad arguments; 3 where this machine cannot
+make a cluster (not root, no ``ip``, namespaces not permitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+#: Every cluster's subnet is a /24 inside this range (RFC 2544's benchmark networks).
+RANGE = ipaddress.ip_network("198.18.0.0/15")
+#: The bridge's (mpiexec's) last octet; hosts are 1, 2, ...
+BRIDGE_HOST = 254
+MAX_HOSTS = 64
+NIC = "eth0"
+RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", re.I)
+NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
+UNAVAILABLE = 3
+
+
+class ClusterError(Exception):
+    """A failure with a message for the user, and the exit status to leave with."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def ip(*args: str, check: bool = True) -> str:
+    """Run ``ip ARGS``; its stdout, or a ClusterError with its stderr."""
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc.stdout
+
+
+def tc(ns: str, *args: str) -> None:
+    """Run ``tc ARGS`` inside namespace ``ns``."""
+    proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise ClusterError(f"`tc {' '.join(args)}` on {ns} failed: {proc.stderr.strip()}")
+
+
+def parse_rate(text: str) -> str | None:
+    """``tc``'s spelling of a link rate, or None for an unshaped link."""
+    if text.lower() in ("none", "unshaped"):
+        return None
+    m = RATE.fullmatch(text.strip())
+    if not m or float(m[1]) <= 0:
+        raise ClusterError(f"--rate: expected a rate such as 1gbit, 500mbit or 2.5gbit (or none), got {text!r}", 2)
+    return f"{m[1]}{m[2].lower()}"
+
+
+def require_usable() -> None:
+    """Raise (status 3) unless this process can make namespaces: root, and ``ip`` present."""
+    if os.geteuid() != 0:
+        raise ClusterError(f"cluster.py must run as root (it makes network namespaces); this is uid {os.geteuid()}",
+                           UNAVAILABLE)
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ClusterError(f"cluster.py needs `{tool}` (Debian: apt-get install iproute2); not found on PATH",
+                               UNAVAILABLE)
+
+
+class Cluster:
+    """The namespaces, veths and bridge of one cluster, found by its name prefix.
+
+    Args:
+        name: the prefix of its namespaces (``NAME-h1`` ...), bridge (``NAME-br``)
+            and root-side veths (``NAME-v1`` ...).
+    """
+
+    def __init__(self, name: str) -> None:
+        if not NAME.fullmatch(name):
+            raise ClusterError(f"--name: expected 1-8 lowercase letters and digits starting with a letter, "
+                               f"got {name!r}", 2)
+        self.name = name
+        self.bridge = f"{name}-br"
+
+    def ns(self, host: int) -> str:
+        return f"{self.name}-h{host}"
+
+    def veth(self, host: int) -> str:
+        return f"{self.name}-v{host}"
+
+    def hosts(self) -> list[int]:
+        """The numbers of this cluster's hosts that exist, in order."""
+        pattern = re.compile(rf"{re.escape(self.name)}-h(\d+)")
+        found = [pattern.fullmatch(line.split()[0]) for line in ip("netns", "list").splitlines() if line.strip()]
+        return sorted(int(m[1]) for m in found if m)
+
+    def subnet(self) -> ipaddress.IPv4Network | None:
+        """The subnet on the bridge, or None when the bridge does not exist."""
+        out = ip("-o", "-4", "addr", "show", "dev", self.bridge, check=False)
+        m = re.search(r"inet (\S+)", out)
+        return ipaddress.ip_interface(m[1]).network if m else None
+
+    def address(self, host: int) -> str:
+        net = self.subnet()
+        if net is None:
+            raise ClusterError(f"cluster {self.name!r} is not up (no bridge {self.bridge}); run `cluster.py up`")
+        return str(net.network_address + host)
+
+    def host_number(self, text: str) -> int:
+        """A host given by number (``2``), namespace name or address, checked to exist."""
+        hosts = self.hosts()
+        if not hosts:
+            raise ClusterError(f"cluster {self.name!r} is not up; run `cluster.py up --hosts H` first")
+        for host in hosts:
+            if text in (str(host), self.ns(host)) or (self.subnet() and text == self.address(host)):
+                return host
+        raise ClusterError(f"no host {text!r} in cluster {self.name!r}: it has hosts {', '.join(map(str, hosts))}", 2)
+
+    def up(self, count: int, rate: str | None) -> None:
+        """Make ``count`` hosts with NICs shaped to ``rate``; on any failure, remove what was made."""
+        if not 1 <= count <= MAX_HOSTS:
+            raise ClusterError(f"--hosts: expected a host count from 1 to {MAX_HOSTS}, got {count}", 2)
+        require_usable()
+        if self.hosts() or self.subnet() is not None:
+            raise ClusterError(f"cluster {self.name!r} is already up; `cluster.py --name {self.name} down` first")
+        net = free_subnet()
+        try:
+            ip("link", "add", self.bridge, "type", "bridge")
+            ip("addr", "add", f"{net.network_address + BRIDGE_HOST}/{net.prefixlen}", "dev", self.bridge)
+            ip("link", "set", self.bridge, "up")
+            for host in range(1, count + 1):
+                self._add_host(host, net, rate)
+        except BaseException:
+            self.down(quiet=True)
+            raise
+
+    def _add_host(self, host: int, net: ipaddress.IPv4Network, rate: str | None) -> None:
+        ns, veth = self.ns(host), self.veth(host)
+        try:
+            ip("netns", "add", ns)
+        except ClusterError as exc:
+            raise ClusterError(f"network namespaces are not permitted here: {exc}", UNAVAILABLE) from exc
+        ip("link", "add", veth, "type", "veth", "peer", "name", NIC, "netns", ns)
+        ip("link", "set", veth, "master", self.bridge)
+        ip("link", "set", veth, "up")
+        ip("-n", ns, "addr", "add", f"{net.network_address + host}/{net.prefixlen}", "dev", NIC)
+        ip("-n", ns, "link", "set", NIC, "up")
+        ip("-n", ns, "link", "set", "lo", "up")
+        if rate is not None:
+            tc(ns, "qdisc", "replace", "dev", NIC, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "20ms")
+
+    def down(self, quiet: bool = False) -> list[str]:
+        """Kill every process on the hosts and remove the namespaces, veths and bridge.
+
+        Returns:
+            A line for each host where processes were still running.
+        """
+        killed = []
+        for host in self.hosts():
+            ns = self.ns(host)
+            left = self.processes(host)
+            if left:
+                killed.append(f"host {host}: killed {len(left)} processes: {describe(left)}")
+                kill(list(left))
+            ip("netns", "del", ns, check=not quiet)
+        for line in ip("-o", "link", "show").splitlines():
+            m = re.match(rf"\d+: ({re.escape(self.name)}-v\d+)@", line)
+            if m:
+                ip("link", "del", m[1], check=False)
+        if ip("-o", "link", "show", "dev", self.bridge, check=False).strip():
+            ip("link", "del", self.bridge, check=not quiet)
+        return killed
+
+    def processes(self, host: int) -> dict[int, str]:
+        """The processes running in host ``host``'s namespace: pid to command line."""
+        pids = ip("netns", "pids", self.ns(host), check=False).split()
+        return {int(p): cmdline(int(p)) for p in pids if p.isdigit() and int(p) != os.getpid()}
+
+    def set_link(self, host: int, up: bool) -> None:
+        """Take host ``host``'s link down (its packets are dropped; its address and routes stay) or up."""
+        ip("link", "set", self.veth(host), "up" if up else "down")
+
+    def stats(self) -> dict[int, tuple[int, int]]:
+        """Bytes sent and received by each host's NIC, read inside its namespace."""
+        out = {}
+        for host in self.hosts():
+            text = subprocess.run(["ip", "netns", "exec", self.ns(host), "cat",
+                                   f"/sys/class/net/{NIC}/statistics/tx_bytes",
+                                   f"/sys/class/net/{NIC}/statistics/rx_bytes"],
+                                  capture_output=True, text=True, timeout=30).stdout.split()
+            out[host] = (int(text[0]), int(text[1])) if len(text) == 2 else (-1, -1)
+        return out
+
+    def mpiexec(self, ppn: int, command: Sequence[str], mpiexec: str) -> list[str]:
+        """The ``mpiexec`` command line that runs ``command`` with ``ppn`` ranks on each host."""
+        hosts = self.hosts()
+        if not hosts:
+            raise ClusterError(f"cluster {self.name!r} is not up; give --hosts, or run `cluster.py up` first")
+        if ppn < 1:
+            raise ClusterError(f"--ppn: expected at least 1 rank per host, got {ppn}", 2)
+        if not command:
+            raise ClusterError("run: no command given (cluster.py run --ppn 2 -- python job.py)", 2)
+        addresses = ",".join(self.address(h) for h in hosts)
+        bridge = str(self.subnet().network_address + BRIDGE_HOST)  # type: ignore[union-attr]
+        return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(Path(__file__).resolve()),
+                "-hosts", addresses, "-ppn", str(ppn), "-n", str(ppn * len(hosts)), "-localhost", bridge,
+                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC, *command]
+
+    def run(self, ppn: int, command: Sequence[str], mpiexec: str, timeout: float | None) -> int:
+        """Run ``command`` under ``mpiexec`` across the hosts; leave no process behind on any host."""
+        cmd = self.mpiexec(ppn, command, mpiexec)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        status = None
+        try:
+            status = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"cluster: the job ran past --timeout {timeout:g} s; killing it", file=sys.stderr, flush=True)
+            status = 124
+        finally:
+            if proc.poll() is None:
+                kill_group(proc.pid)
+                proc.wait()
+            self._reap()
+        return status
+
+    def _reap(self) -> None:
+        """Name and kill what still runs on the hosts once the job is over (give it 2 s to exit)."""
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline and any(self.processes(h) for h in self.hosts()):
+            time.sleep(0.1)
+        for host in self.hosts():
+            left = self.processes(host)
+            if left:
+                print(f"cluster: host {host} still ran {len(left)} processes after mpiexec ended "
+                      f"({describe(left)}); killed", file=sys.stderr, flush=True)
+                kill(list(left))
+
+
+def free_subnet() -> ipaddress.IPv4Network:
+    """The first /24 of the benchmark range with no address on this machine's root namespace."""
+    used = {ipaddress.ip_interface(m).network for m in re.findall(r"inet (\S+)", ip("-o", "-4", "addr", "show"))}
+    for net in RANGE.subnets(new_prefix=24):
+        if not any(net.overlaps(u) for u in used):
+            return net
+    raise ClusterError("no free /24 left in 198.18.0.0/15")
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def describe(procs: dict[int, str]) -> str:
+    return "; ".join(f"{pid} {cmd[:60]}" for pid, cmd in sorted(procs.items()))
+
+
+def kill(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def launch(host: str, command: str) -> int:
+    """Hydra's ssh launcher: run ``command`` (a proxy) on ``host`` (an address), in its namespace.
+
+    The proxy gets a UTS namespace whose host name is the namespace's name.
+    """
+    for line in ip("-o", "-4", "addr", "show").splitlines():
+        m = re.match(r"\d+: (\S+)-br\s+inet (\S+)", line)
+        if not m:
+            continue
+        net = ipaddress.ip_interface(m[2]).network
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            break
+        if addr in net:
+            ns = f"{m[1]}-h{int(addr) - int(net.network_address)}"
+            os.execvp("ip", ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                             'hostname "$0" && exec sh -c "$1"', ns, command])
+    print(f"cluster.py: no cluster host has address {host!r}", file=sys.stderr)
+    return 255
+
+
+def parse(argv: Sequence[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="cluster.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--name", default="mgr", help="prefix of the cluster's namespaces and interfaces")
+    sub = parser.add_subparsers(dest="what", required=True)
+    up = sub.add_parser("up", help="make the hosts")
+    up.add_argument("--hosts", type=int, required=True)
+    up.add_argument("--rate", default="none", help="each NIC's send rate: 1gbit, 500mbit, ... or none")
+    run = sub.add_parser("run", help="run a command under mpiexec across the hosts")
+    run.add_argument("--hosts", type=int, help="bring a cluster of this many hosts up first, and down after")
+    run.add_argument("--rate", default="none", help="with --hosts: each NIC's send rate")
+    run.add_argument("--ppn", type=int, default=1, help="ranks per host")
+    run.add_argument("--timeout", type=float, help="kill the job after this many seconds (exit status 124)")
+    run.add_argument("--mpiexec", help="the mpiexec to use (default: beside this Python, else on PATH)")
+    run.add_argument("command", nargs=argparse.REMAINDER)
+    ex = sub.add_parser("exec", help="run a command on one host")
+    ex.add_argument("host")
+    ex.add_argument("command", nargs=argparse.REMAINDER)
+    for verb in ("cut", "restore"):
+        sub.add_parser(verb, help=f"{verb} one host's link").add_argument("host")
+    sub.add_parser("stats", help="bytes each host has sent and received")
+    sub.add_parser("down", help="kill what runs on the hosts and remove the cluster")
+    sub.add_parser("check", help="exit 0 if a cluster can be made here, else 3 and why")
+    args = parser.parse_args(argv)
+    if getattr(args, "command", None) and args.command[0] == "--":
+        args.command = args.command[1:]
+    return args
+
+
+def find_mpiexec(given: str | None) -> str:
+    if given:
+        return given
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+    if found is None:
+        raise ClusterError("no mpiexec beside this Python or on PATH (pip install mpich, or pass --mpiexec)", 2)
+    return found
+
+
+def check() -> None:
+    """Make and remove a one-host cluster under a probe name: raises where that fails."""
+    require_usable()
+    probe = Cluster(f"mgp{os.getpid() % 10000}")
+    probe.up(1, None)
+    probe.down()
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["-x"] and len(argv) >= 3:  # called by Hydra as its ssh
+        return launch(argv[1], " ".join(argv[2:]))
+    args = parse(argv)
+    cluster = Cluster(args.name)
+    if args.what == "check":
+        check()
+        print("cluster.py: network namespaces work here")
+        return 0
+    require_usable()
+    if args.what == "up":
+        cluster.up(args.hosts, parse_rate(args.rate))
+        print(f"cluster {args.name}: {args.hosts} hosts, " + ", ".join(
+            f"{h}={cluster.address(h)}" for h in cluster.hosts()) + f", rate {args.rate}")
+        return 0
+    if args.what == "down":
+        for line in cluster.down():
+            print(f"cluster {args.name}: {line}", file=sys.stderr)
+        return 0
+    if args.what in ("cut", "restore"):
+        cluster.set_link(cluster.host_number(args.host), up=args.what == "restore")
+        return 0
+    if args.what == "stats":
+        for host, (tx, rx) in cluster.stats().items():
+            print(f"host {host}: sent {tx} bytes, received {rx} bytes")
+        return 0
+    if args.what == "exec":
+        if not args.command:
+            raise ClusterError("exec: no command given (cluster.py exec 1 -- ip addr)", 2)
+        return subprocess.call(["ip", "netns", "exec", cluster.ns(cluster.host_number(args.host)), *args.command])
+    mpiexec = find_mpiexec(args.mpiexec)
+    if args.hosts is None:
+        return cluster.run(args.ppn, args.command, mpiexec, args.timeout)
+    rate = parse_rate(args.rate)
+    if not args.command:
+        raise ClusterError("run: no command given (cluster.py run --hosts 2 --ppn 2 -- python job.py)", 2)
+    cluster.up(args.hosts, rate)
+    try:
+        return cluster.run(args.ppn, args.command, mpiexec, args.timeout)
+    finally:
+        cluster.down(quiet=True)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupted)
+    signal.signal(signal.SIGHUP, _interrupted)
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except ClusterError as exc:
+        print(f"cluster.py: {exc}", file=sys.stderr)
+        sys.exit(exc.status)
+    except KeyboardInterrupt:
+        print("cluster.py: interrupted; the cluster was taken down", file=sys.stderr)
+        sys.exit(130)
