@@ -36,7 +36,9 @@ in any reduction (its flags are zeros).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import math
+import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -47,10 +49,12 @@ from mpi4py import MPI
 
 from . import agreement, backend, groups, interop, planning
 from .reducer import DistributedGradReducer
+from .rendezvous import tcp_rendezvous
 from .shard import Shard
 from .steps import ReductionStep
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_"]
+__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",
+           "init_gloo"]
 
 #: The kinds of misuse a rank reports in the flags, by slot (one slot per kind and rank).
 MISUSES = (
@@ -538,6 +542,35 @@ def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: 
     _check_same_tensors(comm, tensors, [n for n, _ in named])
     with torch.no_grad():
         groups.broadcast_parameters([_bytes_of(t) for t in tensors], root=root, group=comm)
+
+
+def init_gloo(comm: MPI.Intracomm | None = None, timeout: float = 300.0) -> None:
+    """Start ``torch.distributed``'s default process group over gloo, with the ranks of ``comm`` (collective).
+
+    For a comparison with DDP, or torch code that needs a process group
+    beside the reducer: rank ``r`` of ``comm`` is rank ``r`` of the group.
+    The ranks meet at an address of rank 0 that every rank can reach
+    (:func:`~mpi_gradreducer.rendezvous.tcp_rendezvous`; ``127.0.0.1`` where
+    they share one host), and gloo binds to the interface that leads there,
+    unless ``GLOO_SOCKET_IFNAME`` is set already. Across hosts whose host
+    names resolve to a loopback address, torch's own defaults would leave
+    the ranks waiting for each other until ``timeout``.
+
+    Args:
+        comm: the ranks; default ``MPI.COMM_WORLD``.
+        timeout: seconds gloo waits for the other ranks, at the rendezvous and in each collective.
+
+    Raises:
+        RuntimeError: on every rank, when no address of rank 0 is routable from every rank.
+    """
+    import torch.distributed as dist
+
+    comm = MPI.COMM_WORLD if comm is None else comm
+    meet = tcp_rendezvous(comm)
+    if meet.interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", meet.interface)
+    dist.init_process_group("gloo", init_method=meet.url, rank=comm.Get_rank(), world_size=comm.Get_size(),
+                            timeout=datetime.timedelta(seconds=timeout))
 
 
 def _bytes_of(t: torch.Tensor) -> Any:

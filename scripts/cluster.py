@@ -55,6 +55,8 @@ RANGE = ipaddress.ip_network("198.18.0.0/15")
 BRIDGE_HOST = 254
 MAX_HOSTS = 64
 NIC = "eth0"
+#: Where ``ip netns exec`` finds a namespace's own ``/etc`` files.
+ETC = Path("/etc/netns")
 RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", re.I)
 NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
 UNAVAILABLE = 3
@@ -167,6 +169,7 @@ class Cluster:
             ip("link", "set", self.bridge, "up")
             for host in range(1, count + 1):
                 self._add_host(host, net, rate)
+            self._write_etc(count, net)
         except BaseException:
             self.down(quiet=True)
             raise
@@ -186,6 +189,21 @@ class Cluster:
         if rate is not None:
             tc(ns, "qdisc", "replace", "dev", NIC, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "20ms")
 
+    def _write_etc(self, count: int, net: ipaddress.IPv4Network) -> None:
+        """Each host's ``/etc/hosts`` and ``/etc/resolv.conf`` (``ip netns exec`` mounts ``/etc/netns/NS/*``).
+
+        The hosts know each other by name, and each its own name as ``127.0.1.1``, as Debian writes it (the
+        case where a host name is no address to give to another host). No name server: nothing is asked
+        of any address outside the cluster.
+        """
+        for host in range(1, count + 1):
+            etc = ETC / self.ns(host)
+            etc.mkdir(parents=True, exist_ok=True)
+            names = [f"{net.network_address + h}\t{self.ns(h)}" for h in range(1, count + 1) if h != host]
+            (etc / "hosts").write_text("\n".join(["127.0.0.1\tlocalhost", f"127.0.1.1\t{self.ns(host)}", *names])
+                                       + "\n")
+            (etc / "resolv.conf").write_text("# a test host of cluster.py: no name server\n")
+
     def down(self, quiet: bool = False) -> list[str]:
         """Kill every process on the hosts and remove the namespaces, veths and bridge.
 
@@ -200,6 +218,8 @@ class Cluster:
                 killed.append(f"host {host}: killed {len(left)} processes: {describe(left)}")
                 kill(list(left))
             ip("netns", "del", ns, check=not quiet)
+        for etc in ETC.glob(f"{self.name}-h*"):
+            shutil.rmtree(etc, ignore_errors=True)
         for line in ip("-o", "link", "show").splitlines():
             m = re.match(rf"\d+: ({re.escape(self.name)}-v\d+)@", line)
             if m:

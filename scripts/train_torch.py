@@ -14,8 +14,8 @@ goes on (``progress="thread"``); without it the reducer's ``progress="auto"``
 decides (on a machine with fewer cores than ranks: in ``step()``).
 
 ``--check-ddp`` trains the same model in float64 a second time with
-``torch.nn.parallel.DistributedDataParallel`` over gloo (rendezvous on
-127.0.0.1, at a port chosen by rank 0) and requires the parameters of the two
+``torch.nn.parallel.DistributedDataParallel`` over gloo (``init_gloo``:
+rendezvous at an address of rank 0 that every rank reaches) and requires the parameters of the two
 runs to agree to 1e-9. Output lines are ``key=value`` pairs, for parsing.
 Needs torch and scikit-learn (the digits data ship with it: nothing is
 downloaded).
@@ -24,7 +24,6 @@ downloaded).
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +38,7 @@ from train_digits import (
     load_data as load_digits,
 )
 
-from mpi_gradreducer.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
+from mpi_gradreducer.torch import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters, init_gloo
 
 #: Required agreement of the reducer's and DDP's parameters (float64).
 DDP_TOLERANCE = 1e-9
@@ -104,10 +103,7 @@ def train_with_ddp(settings: Settings, data: Sequence[torch.Tensor], comm: MPI.C
     import torch.distributed as dist
 
     x_train, y_train = data[0].to(settings.dtype), data[1]
-    port = _free_port() if comm.Get_rank() == 0 else None
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.Get_rank(), world_size=comm.Get_size())
+    init_gloo(comm)
     try:
         model = make_model(settings, comm)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -139,12 +135,6 @@ def max_difference(a: torch.nn.Module, b: torch.nn.Module, comm: MPI.Comm) -> fl
     with torch.no_grad():
         local = max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     return comm.allreduce(local, op=MPI.MAX)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,8 +7,6 @@ would hang the run.
 
 from __future__ import annotations
 
-import datetime
-import socket
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,25 +79,17 @@ class Gloo:
         comm: the ranks of the group.
     """
 
-    def __init__(self, comm: MPI.Comm) -> None:
+    def __init__(self, comm: MPI.Intracomm) -> None:
         import torch
         import torch.distributed as dist
 
+        from ..torch import init_gloo
+
         self.torch, self.dist = torch, dist
-        rank, size = comm.Get_rank(), comm.Get_size()
-        hosts = comm.allgather(MPI.Get_processor_name())
-        host = "127.0.0.1" if len(set(hosts)) == 1 else socket.gethostbyname(socket.gethostname())
-        port = 0
-        if rank == 0:
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-        host, port = comm.bcast((host, port), root=0)
         self._threads = torch.get_num_threads()
         torch.set_num_threads(1)  # numpy's copies are single-threaded too; 4 ranks share 2 cores
-        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=rank, world_size=size,
-                                timeout=datetime.timedelta(seconds=300))
-        self.size = size
+        init_gloo(comm)
+        self.size = comm.Get_size()
         self.version = torch.__version__
         self._comm = comm
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,7 +43,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from mpi_gradreducer.torch import DistributedOptimizer, broadcast_parameters, clip_grad_norm_
+from mpi_gradreducer.torch import DistributedOptimizer, broadcast_parameters, clip_grad_norm_, init_gloo
 
 CASES = ("overlap", "unused", "accumulate", "no_sync", "clip")
 MAX_NORM = 0.05
@@ -146,13 +145,7 @@ def main() -> None:
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    port = None
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=comm.Get_size())
+    init_gloo(comm)
     try:
         for case in args.cases:
             ours = train_ours(case, args.steps, rank)

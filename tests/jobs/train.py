@@ -66,6 +66,8 @@ def main() -> None:
     parser.add_argument("--validate", default="always")
     parser.add_argument("--torch", action="store_true", help="import torch and keep its threads busy")
     parser.add_argument("--sleep", type=float, default=300.0, help="how long a stalled rank sleeps")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds each rank sleeps before each step")
+    parser.add_argument("--progress", action="store_true", help="each rank prints a line after each step")
     parser.add_argument("--tag", default="", help="ignored: marks this job's processes for the test")
     args = parser.parse_args()
 
@@ -87,6 +89,7 @@ def main() -> None:
         say(f"plan: {len(reducer.buckets)} buckets, bucket 0 = {reducer.buckets[0].nbytes} bytes")
 
     for step in range(1, args.steps + 1):
+        time.sleep(args.pause)
         err = x @ w + b - y
         grads = [2 / len(x) * x.T @ err, 2 / len(x) * err.sum(axis=0)]
         if step == args.step and rank == args.rank:
@@ -97,6 +100,8 @@ def main() -> None:
         reducer(grads)
         w -= 0.05 * grads[0]
         b -= 0.05 * grads[1]
+        if args.progress:
+            say(f"rank {rank}: step {step} done")
 
     if args.fault == "skip" and rank == args.rank:
         say(f"rank {rank}: evaluating for {args.sleep:g} s")
