@@ -27,7 +27,8 @@ several clusters can coexist. ``run`` launches ``mpiexec`` (the one beside
 this Python, else the first on ``PATH``) with Hydra's ssh launcher pointed at
 this script, which starts each host's proxy inside that host's namespace; MPI
 goes over TCP between hosts (``UCX_TLS=tcp,self`` on ``eth0``; ranks on one
-host share memory as usual). After ``mpiexec`` ends, processes still running
+host share memory as usual); the ranks find ``CLUSTER_HOSTS`` and ``CLUSTER_PPN``
+in their environment. After ``mpiexec`` ends, processes still running
 on a host (a proxy cut off from ``mpiexec``, say) are named on stderr and
 killed. ``run --timeout S`` kills the whole job after S seconds (exit 124).
 
@@ -261,7 +262,8 @@ class Cluster:
         bridge = str(self.subnet().network_address + BRIDGE_HOST)  # type: ignore[union-attr]
         return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(Path(__file__).resolve()),
                 "-hosts", addresses, "-ppn", str(ppn), "-n", str(ppn * len(hosts)), "-localhost", bridge,
-                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC, *command]
+                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC,
+                "-genv", "CLUSTER_HOSTS", str(len(hosts)), "-genv", "CLUSTER_PPN", str(ppn), *command]
 
     def run(self, ppn: int, command: Sequence[str], mpiexec: str, timeout: float | None) -> int:
         """Run ``command`` under ``mpiexec`` across the hosts; leave no process behind on any host."""

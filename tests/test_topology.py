@@ -1,0 +1,90 @@
+"""Where each rank is: hosts, ranks per host, and rank 0's address, on one host or across several.
+
+These collective tests hold in any layout. Under ``scripts/cluster.py run``
+(hosts made of network namespaces) the launch's layout is known from
+``CLUSTER_HOSTS`` and ``CLUSTER_PPN``, and the tests check it as well.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+
+import pytest
+from mpi4py import MPI
+
+from conftest import WORLD
+from mpi_gradreducer import local_rank
+from mpi_gradreducer.groups import processor_names
+from mpi_gradreducer.info import collect
+from mpi_gradreducer.rendezvous import interface_addresses, tcp_rendezvous
+
+pytestmark = pytest.mark.mpi
+
+LAYOUT = (int(os.environ["CLUSTER_HOSTS"]), int(os.environ["CLUSTER_PPN"])) if "CLUSTER_PPN" in os.environ else None
+
+
+def test_local_rank_counts_the_ranks_with_this_processor_name():
+    names = processor_names(WORLD)
+    mine = [r for r, n in enumerate(names) if n == names[WORLD.Get_rank()]]
+    assert local_rank(WORLD) == (mine.index(WORLD.Get_rank()), len(mine))
+
+
+@pytest.mark.skipif(LAYOUT is None, reason="not launched by scripts/cluster.py")
+def test_the_cluster_layout_is_seen():
+    hosts, ppn = LAYOUT  # type: ignore[misc]
+    if WORLD.Get_size() != hosts * ppn:
+        pytest.skip("a communicator other than the whole launch")  # the same on every rank
+    assert len(set(processor_names(WORLD))) == hosts
+    assert local_rank(WORLD) == (WORLD.Get_rank() % ppn, ppn)
+    facts = collect(WORLD)
+    assert sorted(facts["hosts"].values()) == [list(range(h * ppn, (h + 1) * ppn)) for h in range(hosts)]
+
+
+def test_info_groups_the_ranks_by_host():
+    facts = collect(WORLD)
+    names = processor_names(WORLD)
+    assert facts["hosts"] == {n: [r for r, m in enumerate(names) if m == n] for n in dict.fromkeys(names)}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_rendezvous_address_is_reached_by_every_rank():
+    """Rank 0 listens where ``tcp_rendezvous`` says; every other rank connects and reads a byte."""
+    meet = tcp_rendezvous(WORLD)
+    assert WORLD.allgather((meet.address, meet.port)) == [(meet.address, meet.port)] * WORLD.Get_size()
+    one_host = len(set(processor_names(WORLD))) == 1
+    assert ipaddress.ip_address(meet.address).is_loopback == one_host, meet
+    assert meet.interface in interface_addresses(), meet
+    problem = ""
+    if WORLD.Get_rank() == 0:
+        try:
+            server = socket.create_server((meet.address, meet.port))
+            server.settimeout(20)
+        except OSError as exc:
+            problem = f"rank 0 cannot listen: {exc!r}"
+        listening = WORLD.bcast(not problem, root=0)
+        if listening:
+            with server:
+                try:
+                    for _ in range(WORLD.Get_size() - 1):
+                        peer, _ = server.accept()
+                        with peer:
+                            peer.sendall(b"!")
+                except OSError as exc:
+                    problem = f"rank 0: {exc!r}"
+    elif WORLD.bcast(None, root=0):
+        try:
+            with socket.create_connection((meet.address, meet.port), timeout=20) as conn:
+                conn.settimeout(20)
+                if conn.recv(1) != b"!":
+                    problem = f"rank {WORLD.Get_rank()}: no byte from rank 0"
+        except OSError as exc:
+            problem = f"rank {WORLD.Get_rank()}: {exc!r}"
+    problems = [p for p in WORLD.allgather(problem) if p]
+    assert not problems, problems
+
+
+def test_rendezvous_on_one_rank_is_loopback():
+    meet = tcp_rendezvous(MPI.COMM_SELF)
+    assert meet.address == "127.0.0.1" and meet.port > 0 and meet.url == f"tcp://127.0.0.1:{meet.port}"
