@@ -8,8 +8,10 @@ subnet of 198.18.0.0/15, the range reserved for benchmark networks). The
 bridge holds ``198.18.N.254``, where ``mpiexec`` runs. A NIC's send rate can
 be shaped with ``tc tbf`` (``--rate 1gbit``); there is no latency emulation.
 Processes on a host also get a host name of their own (a UTS namespace), so
-``MPI.Get_processor_name()`` tells the hosts apart. No route leads anywhere
-but the bridge: nothing a host sends leaves the machine.
+``MPI.Get_processor_name()`` tells the hosts apart, and its own ``/etc/hosts``
+(the other hosts by name) with no name server. No route leads anywhere but
+the bridge, and IPv6 is off on every interface of the cluster: nothing a
+host sends leaves the machine.
 
 Commands (as root)::
 
@@ -51,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 #: Every cluster's subnet is a /24 inside this range (RFC 2544's benchmark networks).
-RANGE = ipaddress.ip_network("198.18.0.0/15")
+RANGE = ipaddress.IPv4Network("198.18.0.0/15")
 #: The bridge's (mpiexec's) last octet; hosts are 1, 2, ...
 BRIDGE_HOST = 254
 MAX_HOSTS = 64
@@ -138,7 +140,7 @@ class Cluster:
         """The subnet on the bridge, or None when the bridge does not exist."""
         out = ip("-o", "-4", "addr", "show", "dev", self.bridge, check=False)
         m = re.search(r"inet (\S+)", out)
-        return ipaddress.ip_interface(m[1]).network if m else None
+        return ipaddress.IPv4Interface(m[1]).network if m else None
 
     def address(self, host: int) -> str:
         net = self.subnet()
@@ -166,6 +168,7 @@ class Cluster:
         net = free_subnet()
         try:
             ip("link", "add", self.bridge, "type", "bridge")
+            no_ipv6(self.bridge)
             ip("addr", "add", f"{net.network_address + BRIDGE_HOST}/{net.prefixlen}", "dev", self.bridge)
             ip("link", "set", self.bridge, "up")
             for host in range(1, count + 1):
@@ -182,7 +185,10 @@ class Cluster:
         except ClusterError as exc:
             raise ClusterError(f"network namespaces are not permitted here: {exc}", UNAVAILABLE) from exc
         ip("link", "add", veth, "type", "veth", "peer", "name", NIC, "netns", ns)
+        no_ipv6(veth)
         ip("link", "set", veth, "master", self.bridge)
+        subprocess.run(["ip", "netns", "exec", ns, "sh", "-c", "echo 1 > /proc/sys/net/ipv6/conf/all/disable_ipv6"],
+                       capture_output=True, timeout=30)
         ip("link", "set", veth, "up")
         ip("-n", ns, "addr", "add", f"{net.network_address + host}/{net.prefixlen}", "dev", NIC)
         ip("-n", ns, "link", "set", NIC, "up")
@@ -298,11 +304,19 @@ class Cluster:
 
 def free_subnet() -> ipaddress.IPv4Network:
     """The first /24 of the benchmark range with no address on this machine's root namespace."""
-    used = {ipaddress.ip_interface(m).network for m in re.findall(r"inet (\S+)", ip("-o", "-4", "addr", "show"))}
+    used = {ipaddress.IPv4Interface(m).network for m in re.findall(r"inet (\S+)", ip("-o", "-4", "addr", "show"))}
     for net in RANGE.subnets(new_prefix=24):
         if not any(net.overlaps(u) for u in used):
             return net
     raise ClusterError("no free /24 left in 198.18.0.0/15")
+
+
+def no_ipv6(interface: str) -> None:
+    """No IPv6 on a root-namespace interface (not even link-local): the hosts speak IPv4 in their subnet only."""
+    try:
+        Path(f"/proc/sys/net/ipv6/conf/{interface}/disable_ipv6").write_text("1")
+    except OSError:  # IPv6 not built in: nothing to turn off
+        pass
 
 
 def cmdline(pid: int) -> str:
@@ -456,5 +470,6 @@ if __name__ == "__main__":
         print(f"cluster.py: {exc}", file=sys.stderr)
         sys.exit(exc.status)
     except KeyboardInterrupt:
-        print("cluster.py: interrupted; the cluster was taken down", file=sys.stderr)
+        print("cluster.py: interrupted (a job it ran is killed; a cluster it made for the run is down)",
+              file=sys.stderr)
         sys.exit(130)
