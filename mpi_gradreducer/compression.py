@@ -306,14 +306,22 @@ class SliceSum:
     once and the slices are shared again: the reducer's way to sum float16
     and bfloat16 gradients, whether they are compressed float32 ones or
     half-precision ones of their own.
+
+    Two levels (``across``), as :class:`~mpi_gradreducer.transport.OrderedSum`
+    has them: ``comm`` holds the ranks of one host; each rank rounds its
+    block's sum over the host to 16 bits, ``across`` sums the hosts' in
+    float32 and rounds again, and the blocks are shared on the host. Each
+    host sends ``2 (hosts - 1) / hosts`` of the 16-bit bytes.
     """
 
-    def __init__(self, comm: MPI.Comm, compression: Compression, chunk_bytes: int, method: str) -> None:
+    def __init__(self, comm: MPI.Comm, compression: Compression, chunk_bytes: int, method: str,
+                 across: SliceSum | None = None) -> None:
         if method not in _METHODS:
             raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
         self.comm = comm
+        self.across = across
         self.compression = compression
         self.method = method
         self.size = comm.Get_size()
@@ -340,6 +348,8 @@ class SliceSum:
         """Sum ``chunk`` across ranks in place, times ``scale`` (rounded once); returns the collectives made."""
         if chunk.shape[0] == 0:
             return 0
+        if self.size == 1 and self.across is not None:
+            return self.across(chunk, scale)
         if self.size == 1 or self.method == "allreduce":
             if self.size > 1:
                 self.comm.Allreduce(MPI.IN_PLACE, [chunk.view(np.uint16), self.compression.mpi_datatype()],
@@ -358,19 +368,26 @@ class SliceSum:
         recv = self._rows(size * block)
         self.comm.Alltoall([body, u16], [recv, u16])
         seg = chunk[self.rank * block : (self.rank + 1) * block]
-        self._sum_rows(recv.view(self.compression.wire_dtype).reshape(size, block), seg, scale)
+        calls = 2 + self._sum(recv.view(self.compression.wire_dtype).reshape(size, block), seg, scale)
         self.comm.Allgather(MPI.IN_PLACE, [body, u16])
         if body.shape[0] == n:
-            return 2
-        return 2 + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
+            return calls
+        return calls + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
 
     def _gathered(self, chunk: Any, scale: float) -> int:
         """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it (a chunk shorter than the ranks)."""
         n, u16 = chunk.shape[0], self.compression.mpi_datatype()
         rows = self._rows(self.size * n)
         self.comm.Allgather([chunk.view(np.uint16), u16], [rows, u16])
-        self._sum_rows(rows.view(self.compression.wire_dtype).reshape(self.size, n), chunk, scale)
-        return 1
+        return 1 + self._sum(rows.view(self.compression.wire_dtype).reshape(self.size, n), chunk, scale)
+
+    def _sum(self, rows: Any, out: Any, scale: float) -> int:
+        """``out`` = the rows' sum (rounded), then summed across the hosts, times ``scale``; the collectives made."""
+        if self.across is None:
+            self._sum_rows(rows, out, scale)
+            return 0
+        self._sum_rows(rows, out, 1.0)
+        return self.across(out, scale)
 
     def _sum_rows(self, rows: Any, out: Any, scale: float) -> None:
         """``out`` = the rows' float32 sum in rank order, times ``scale``, rounded once to the wire format."""

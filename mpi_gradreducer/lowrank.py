@@ -40,6 +40,7 @@ from . import agreement, backend, transport
 from .call import Call
 from .config import Options
 from .dtypes import largest_finite, scaled_copy
+from .hosts import Hosts
 from .instrument import Instrument
 from .planning import ParamSpec
 from .powersgd import PowerSGD, compute_dtype, draw_q, matrix_shape, orthonormalise
@@ -113,13 +114,15 @@ class LowRankPath:
         specs: every parameter.
         options: the reducer's options (``powersgd`` set).
         instrument: the reducer's counters and watchdog.
+        hosts: which ranks share a host (it makes the host summers); flat without it.
     """
 
     def __init__(self, comm: MPI.Intracomm, specs: Sequence[ParamSpec], options: Options,
-                 instrument: Instrument) -> None:
+                 instrument: Instrument, hosts: Hosts | None = None) -> None:
         assert options.powersgd is not None
         self.config: PowerSGD = options.powersgd
         self.comm, self.specs, self.options, self.instrument = comm, tuple(specs), options, instrument
+        self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
         self.indices = self.config.compressed(specs, options.skip)
         #: The number of calls made so far (the next call's number, counting from 0).
         self.iteration = 0
@@ -394,7 +397,7 @@ class LowRankPath:
             if isinstance(data, np.ndarray):
                 ordered = self._summers.get(data.dtype)
                 if ordered is None:
-                    ordered = self._summers[data.dtype] = transport.OrderedSum(self.comm, data.dtype)
+                    ordered = self._summers[data.dtype] = self.hosts.ordered_sum(data.dtype)
             return transport.allreduce(self.comm, data, scale, ordered=ordered, every_chunk=self.options.deterministic)
 
         if g.host or self.options.cuda_aware:

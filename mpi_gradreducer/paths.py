@@ -32,6 +32,7 @@ from .call import Call
 from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .fusion import FusionBuffer, FusionPlan, join_runs
+from .hosts import Hosts
 from .instrument import Instrument
 from .sparse import allgather_rowsparse
 from .staging import StagingPipeline, reduce_direct
@@ -51,8 +52,10 @@ class Context:
     """
 
     def __init__(self, comm: MPI.Intracomm, plan: FusionPlan, options: Options, instrument: Instrument,
-                 compression: wire.Compression | None = None) -> None:
+                 compression: wire.Compression | None = None, hosts: Hosts | None = None) -> None:
         self.comm, self.plan, self.options, self.instrument = comm, plan, options, instrument
+        #: Which ranks share a host: it makes the summers (two levels across hosts); flat without it.
+        self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
         self.compression = compression
         first = plan.buffers[0].bucket if plan.buffers else None
         carried = (first is not None and backend.is_host(first.device)
@@ -149,7 +152,7 @@ class Context:
         """The rank-order summer of ``dtype`` on the reducer's communicator (made once)."""
         summer = self._summers.get(dtype)
         if summer is None:
-            summer = self._summers[dtype] = transport.OrderedSum(self.comm, dtype, transport.CHUNK_BYTES)
+            summer = self._summers[dtype] = self.hosts.ordered_sum(dtype)
         return summer
 
     def allreduce(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
@@ -314,7 +317,7 @@ class HalfPath(HostPath):
 
     def __init__(self, ctx: Context, dtype: np.dtype) -> None:
         super().__init__(ctx)
-        self._summer = wire.SliceSum(ctx.comm, wire.half_format(dtype), transport.CHUNK_BYTES, "alltoall")
+        self._summer = ctx.hosts.slice_sum(wire.half_format(dtype))
 
     def reduce_buffer(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
         """Sum ``buf`` slice by slice in float32 (always in rank order), scaled, rounded once."""
@@ -327,7 +330,7 @@ class CompressedPath(PackedPath):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         assert ctx.compression is not None
-        self._summer = wire.SliceSum(ctx.comm, ctx.compression, transport.CHUNK_BYTES, "alltoall")
+        self._summer = ctx.hosts.slice_sum(ctx.compression)
 
     def scales(self, call: Call) -> tuple[float, float]:
         """Pre-division before the cast to 16 bits, and its inverse with the mean after."""

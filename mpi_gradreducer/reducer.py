@@ -14,6 +14,7 @@ from .call import Call, close, open_call, settle
 from .compression import get_compression
 from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from .fusion import distinct_caps, plan_for
+from .hosts import Hosts
 from .instrument import Instrument, ReducerStats
 from .lowrank import LowRankPath
 from .powersgd import PowerSGD
@@ -149,9 +150,11 @@ class DistributedGradReducer:
         self._instrument = Instrument(self._comm, options)
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
+        #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
+        self._hosts = Hosts(self._comm, two_levels=not options.deterministic)
         self._tuner: BucketTuner | None = None
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
-        self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument) \
+        self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument, self._hosts) \
             if options.powersgd is not None else None
         self._local = MPI.COMM_SELF.Dup()  # local copies: the buckets' (transport.Gather), the replay's
         self._replay = Replay(self._local)
@@ -176,7 +179,8 @@ class DistributedGradReducer:
         self._bucket_bytes = bucket_bytes
         self._replay.forget()
         self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local)
-        self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression)
+        self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression,
+                                  self._hosts)
         self._paths = paths.assign(self._ctx)
         self._sparse = paths.SparsePath(self._ctx)
         #: What runs after the buckets: the RowSparse gradients, then PowerSGD's.
@@ -322,6 +326,7 @@ class DistributedGradReducer:
             self._plan.free()
             self._replay.forget()
             self._local.Free()
+            self._hosts.free()
             self._comm.Free()
 
     def __enter__(self) -> DistributedGradReducer:

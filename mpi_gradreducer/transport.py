@@ -102,14 +102,25 @@ class OrderedSum:
     ``n % size`` elements, if any, are gathered whole. Scratch buffers are
     kept for the next chunk.
 
+    Two levels (``across``): ``comm`` holds the ranks of one host, and each
+    rank's sum of its block over the host is then summed with the other
+    hosts' by ``across`` (the summer of the ranks with the same place on every
+    host), which also scales it, before the blocks are shared on the host.
+    Every element is then ``(host 0's sum + host 1's sum) + ...``, each host's
+    in rank order, whatever the chunks; and each host sends
+    ``2 (hosts - 1) / hosts`` of the bytes, as a ring does.
+
     Args:
-        comm: the communicator.
+        comm: the communicator (with ``across``: the ranks of one host).
         dtype: the chunks' dtype (float or complex).
         chunk_bytes: the largest chunk that will come (sizes the scratch buffers).
+        across: the summer of the hosts' sums, or None (``comm`` is all the ranks).
     """
 
-    def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES) -> None:
+    def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES,
+                 across: OrderedSum | None = None) -> None:
         self.comm = comm
+        self.across = across
         self.dtype = np.dtype(dtype)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self._type = dtlib.from_numpy_dtype(self.dtype)
@@ -122,6 +133,8 @@ class OrderedSum:
         if n == 0:
             return 0
         if size == 1:
+            if self.across is not None:
+                return self.across(chunk, scale)
             if scale != 1.0:
                 _scale(chunk, scale)
             return 0
@@ -131,19 +144,26 @@ class OrderedSum:
         body = chunk[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
         recv = self._rows(size * block)
         self.comm.Alltoall([body, self._type], [recv, self._type])
-        _sum_rows(recv.reshape(size, block), body[self.rank * block : (self.rank + 1) * block], scale)
+        calls = 2 + self._sum(recv.reshape(size, block), body[self.rank * block : (self.rank + 1) * block], scale)
         self.comm.Allgather(MPI.IN_PLACE, [body, self._type])
         if body.shape[0] == n:
-            return 2
-        return 2 + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
+            return calls
+        return calls + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
 
     def _gathered(self, chunk: np.ndarray, scale: float) -> int:
         """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it."""
         n = chunk.shape[0]
         rows = self._rows(self.size * n).reshape(self.size, n)
         self.comm.Allgather([chunk, self._type], [rows, self._type])
-        _sum_rows(rows, chunk, scale)
-        return 1
+        return 1 + self._sum(rows, chunk, scale)
+
+    def _sum(self, rows: np.ndarray, out: np.ndarray, scale: float) -> int:
+        """``out`` = the rows summed in rank order (then across the hosts), times ``scale``; the collectives made."""
+        if self.across is None:
+            _sum_rows(rows, out, scale)
+            return 0
+        _sum_rows(rows, out, 1.0)
+        return self.across(out, scale)
 
     def reduce_scatter(self, chunk: np.ndarray, counts: Sequence[int], displs: Sequence[int], out: np.ndarray) -> int:
         """``out`` = this rank's slice of ``chunk`` (``counts[rank]`` elements from ``displs[rank]``), summed

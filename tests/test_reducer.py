@@ -147,6 +147,32 @@ def test_bucket_views_are_reduced_where_they_lie(comm):
         assert all(np.shares_memory(g, grads[0].base) for g in grads)
 
 
+def _levels(comm) -> list[int]:
+    """The ranks of each level of the reducer's rank-order sums: per host, then hosts; or all ranks at once."""
+    from mpi_gradreducer.hosts import Hosts
+
+    hosts = Hosts(comm)
+    try:
+        return [hosts.ranks_per_host, hosts.count] if hosts.two_levels else [comm.Get_size()]  # type: ignore[list-item]
+    finally:
+        hosts.free()
+
+
+def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
+    """The collectives an ``OrderedSum`` makes for ``n`` float32 elements, level by level (innermost first)."""
+    size, outer = levels[0], levels[1:]
+
+    def across(m: int) -> int:
+        return _ordered_sum_calls(m, outer, gathered) if outer else 0
+
+    if size == 1:
+        return across(n)
+    if n <= gathered or n < size:
+        return 1 + across(n)
+    calls = 2 + across(n // size)
+    return calls + (1 + across(n % size) if n % size else 0)
+
+
 def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
     from mpi_gradreducer.paths import HEAD_BYTES
     from mpi_gradreducer.transport import CHUNK_BYTES, GATHERED_SUM_BYTES
@@ -166,8 +192,9 @@ def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
             total = sum(int(np.prod(s)) for s in shapes) * 4
             head = min(reducer.buckets[0].nbytes, HEAD_BYTES)  # travels with the call header
             rest = [min(CHUNK_BYTES, total - head - start) for start in range(0, total - head, CHUNK_BYTES)]
-            size = comm.Get_size()
-            per_chunk = [1 if size == 1 or n <= GATHERED_SUM_BYTES else 2 + ((n // 4) % size > 0) for n in rest]
+            levels = _levels(comm)
+            per_chunk = [1 if comm.Get_size() == 1 else _ordered_sum_calls(n // 4, levels, GATHERED_SUM_BYTES // 4)
+                         for n in rest]
             assert reducer.stats.messages - before == 1 + sum(per_chunk)
             for g in grads:
                 np.testing.assert_allclose(g, comm.Get_size() * expected_mean(comm, k))

@@ -1,0 +1,83 @@
+"""Which ranks share a host, and the two-level summers that send across hosts only what a ring must.
+
+Summed flat, in rank order (:class:`~mpi_gradreducer.transport.OrderedSum`),
+a chunk travels between every pair of ranks: with 2 ranks on each of 2
+hosts, each host sends 1.75 times the chunk, where a ring sends it once.
+Summed in two levels, each host's ranks first sum their blocks over shared
+memory, the ranks with the same place on every host sum those partial sums
+among themselves, and the blocks are shared on each host again: each host
+sends ``2 (hosts - 1) / hosts`` of the chunk, the ring's optimum.
+
+Two levels are used where the ranks span several hosts with the same number
+of ranks, more than one, on each (otherwise, one rank per host or uneven
+hosts, the flat sum is as good or the only one possible), unless the reducer
+sums in rank order (``deterministic=True``): the two levels add each host's
+sum in host order, ``(g0 + g1) + (g2 + g3)`` where rank order is
+``((g0 + g1) + g2) + g3``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mpi4py import MPI
+
+from . import compression as wire, transport
+
+__all__ = ["Hosts"]
+
+
+class Hosts:
+    """The ranks of ``comm`` by host, and the communicators of a two-level sum (collective).
+
+    Args:
+        comm: the reducer's communicator.
+        two_levels: allow two levels where they apply (False: always flat).
+
+    Attributes:
+        count: the number of hosts (the same on every rank).
+        ranks_per_host: the ranks on every host, or None where hosts hold different numbers.
+        two_levels: whether the summers it makes sum in two levels.
+    """
+
+    def __init__(self, comm: MPI.Intracomm, two_levels: bool = True) -> None:
+        self.comm = comm
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        local = node.Get_size()
+        every = comm.allgather((local, node.Get_rank() == 0))
+        even = len({n for n, _ in every}) == 1
+        self.count = sum(first for _, first in every)
+        self.ranks_per_host = local if even else None
+        self.two_levels = bool(two_levels) and even and 1 < local < comm.Get_size()
+        self.node: MPI.Intracomm | None = None
+        self.across: MPI.Intracomm | None = None
+        if self.two_levels:
+            leader = node.bcast(comm.Get_rank(), root=0)  # orders the hosts the same way for every place
+            across = comm.Split(node.Get_rank(), key=leader)
+            # as split from an intracommunicator (mpi4py's stubs say Comm)
+            assert isinstance(node, MPI.Intracomm) and isinstance(across, MPI.Intracomm)
+            self.node, self.across = node, across
+        else:
+            node.Free()
+
+    def ordered_sum(self, dtype: Any, chunk_bytes: int = transport.CHUNK_BYTES) -> transport.OrderedSum:
+        """A summer of ``dtype`` host chunks: two levels where they apply, else rank order over ``comm``."""
+        if self.node is None or self.across is None:
+            return transport.OrderedSum(self.comm, dtype, chunk_bytes)
+        return transport.OrderedSum(self.node, dtype, chunk_bytes,
+                                    across=transport.OrderedSum(self.across, dtype, chunk_bytes))
+
+    def slice_sum(self, compression: wire.Compression, chunk_bytes: int = transport.CHUNK_BYTES) -> wire.SliceSum:
+        """A summer of 16-bit chunks in float32: two levels where they apply, else slices over ``comm``."""
+        if self.node is None or self.across is None:
+            return wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall")
+        return wire.SliceSum(self.node, compression, chunk_bytes, "alltoall",
+                             across=wire.SliceSum(self.across, compression, chunk_bytes, "alltoall"))
+
+    def free(self) -> None:
+        """Release the communicators of the two levels (collective). Idempotent."""
+        for comm in (self.node, self.across):
+            if comm is not None:
+                comm.Free()
+        self.node = self.across = None
+

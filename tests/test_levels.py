@@ -1,0 +1,126 @@
+"""Sums in two levels across hosts: each host's ranks in rank order, then the hosts in order, whatever the chunks.
+
+Under ``scripts/cluster.py run --hosts 2 --ppn 2`` (the suite's stage across
+hosts) the reducer's communicator spans hosts with several ranks on each, and
+the summers of :class:`~mpi_gradreducer.hosts.Hosts` have two levels; on one
+host they are flat, in rank order. Either way each test computes, from every
+rank's random float data, the exact bits the order must give, and the
+summers must give them for every chunk size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from conftest import WORLD
+from mpi_gradreducer import DistributedGradReducer
+from mpi_gradreducer.compression import get_compression
+from mpi_gradreducer.hosts import Hosts
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+#: Element counts: shorter than the ranks, a gathered chunk, sliced chunks with and without a tail.
+COUNTS = (3, 1000, 40_003, 300_000)
+
+
+@pytest.fixture
+def hosts():
+    made = Hosts(WORLD)
+    yield made
+    made.free()
+
+
+def _groups(hosts: Hosts) -> list[list[int]]:
+    """The world ranks to sum first, group by group, in the order the groups are then summed."""
+    size = WORLD.Get_size()
+    if not hosts.two_levels:
+        return [list(range(size))]
+    node = WORLD.Split_type(MPI.COMM_TYPE_SHARED, key=WORLD.Get_rank())
+    try:
+        mine = node.allgather(WORLD.Get_rank())
+    finally:
+        node.Free()
+    every = WORLD.allgather(tuple(mine))
+    return [list(g) for g in sorted(set(every))]
+
+
+def _rows(n: int, dtype: type, seed: int) -> np.ndarray:
+    """Every rank's random data, as a (ranks, n) array on every rank."""
+    rng = np.random.default_rng([seed, WORLD.Get_rank()])
+    mine = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(dtype)
+    rows = np.empty((WORLD.Get_size(), n), dtype)
+    WORLD.Allgather(mine, rows)
+    return rows
+
+
+def _in_order(values: list[np.ndarray]) -> np.ndarray:
+    out = values[0].copy()
+    for v in values[1:]:
+        out = out + v
+    return out
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_ordered_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
+    rows = _rows(n, np.float32, n)
+    groups = _groups(hosts)
+    assert len(groups) == (hosts.count if hosts.two_levels else 1)
+    scale = np.float32(0.25)
+    expected = _in_order([_in_order([rows[r] for r in g]) for g in groups]) * scale
+    for chunk_bytes in (64 << 10, 1 << 20):  # the bits do not depend on where the chunks begin
+        summer = hosts.ordered_sum(np.float32, chunk_bytes)
+        data = rows[WORLD.Get_rank()].copy()
+        step = chunk_bytes // 4
+        for start in range(0, n, step):
+            summer(data[start : start + step], float(scale))
+        np.testing.assert_array_equal(data, expected)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
+    fp16 = get_compression("fp16")
+    rows = _rows(n, np.float16, 7 + n)
+    groups = _groups(hosts)
+    half = [np.float32(0.5)]
+
+    def level(parts: list[np.ndarray], scale: np.float32 = np.float32(1)) -> np.ndarray:
+        return (_in_order([p.astype(np.float32) for p in parts]) * scale).astype(np.float16)
+
+    if len(groups) == 1:
+        expected = level([rows[r] for r in groups[0]], half[0])
+    else:
+        expected = level([level([rows[r] for r in g]) for g in groups], half[0])
+    summer = hosts.slice_sum(fp16, 256 << 10)
+    data = rows[WORLD.Get_rank()].copy()
+    summer.reduce(data, float(half[0]))
+    np.testing.assert_array_equal(data.view(np.uint16), expected.view(np.uint16))
+
+
+def test_reducer_means_are_the_same_bits_however_called(hosts: Hosts):
+    """Blocking, ``begin``/``ready``/``wait`` in reverse order, and the reducer's views: one result."""
+    shapes = [(300, 1024), (7,), (900, 1024), (33, 5)]
+    rng = np.random.default_rng([3, WORLD.Get_rank()])
+    data = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    results = []
+    with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes], timeout=60) as reducer:
+        grads = [d.copy() for d in data]
+        reducer(grads)
+        results.append(grads)
+        grads = [d.copy() for d in data]
+        step = reducer.begin(grads)
+        for i in reversed(range(len(grads))):
+            step.ready(i)
+        step.wait()
+        results.append(grads)
+        views = reducer.allocate_grads()
+        for v, d in zip(views, data, strict=True):
+            v[...] = d
+        reducer(views)
+        results.append([v.copy() for v in views])
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            np.testing.assert_array_equal(a, b)
+    rows = [np.concatenate([r.ravel() for r in results[0]])]
+    assert all(np.array_equal(rows[0], r) for r in WORLD.allgather(rows[0])), "the ranks disagree"
