@@ -173,8 +173,10 @@ def test_healthy_job_sends_its_gradients_through_the_links(cluster: Cluster):
     assert all(b > 20 * 544 for b in grown.values()), grown
 
 
-def test_link_cut_for_good_every_reporting_rank_names_the_lost_ranks(cluster: Cluster):
-    cluster.start("--steps=400", "--pause=0.05", "--progress", f"--timeout={TIMEOUT:g}")
+@pytest.mark.parametrize("inputs", [16, 50_000], ids=["small", "large"])
+def test_link_cut_for_good_every_reporting_rank_names_the_lost_ranks(cluster: Cluster, inputs: int):
+    """A small model (one message with the call header) and a large one (1.6 MB: summed in two levels)."""
+    cluster.start("--steps=400", "--pause=0.05", "--progress", f"--timeout={TIMEOUT:g}", f"--inputs={inputs}")
     cluster.wait_for("rank 0: step 5 done")
     assert cluster_cli(cluster.name, "cut", "2").returncode == 0
     cut = time.monotonic()
@@ -182,7 +184,7 @@ def test_link_cut_for_good_every_reporting_rank_names_the_lost_ranks(cluster: Cl
     took = time.monotonic() - cut
     assert status != 0, cluster.report()
     assert took < TIMEOUT + GRACE, f"the job ended {took:.1f} s after the cut\n{cluster.report()}"
-    named = re.findall(rf"mpi_gradreducer: rank (\d): call \d+, bucket 0 \(\d+ bytes\) has not completed after "
+    named = re.findall(rf"mpi_gradreducer: rank (\d): call \d+, bucket \d+ \(\d+ bytes\) has not completed after "
                        rf"[\d.]+ s \(timeout={TIMEOUT:g} s\); missing ranks: 2, 3 \[rank 2: no answer[^\]]*; "
                        rf"rank 3: no answer[^\]]*\]\. Aborting the job\.", cluster.stderr)
     assert sorted(named) == ["0", "1"], f"ranks 0 and 1 (on the host that can still report) must name 2 and 3\n" \

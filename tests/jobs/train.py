@@ -66,6 +66,7 @@ def main() -> None:
     parser.add_argument("--validate", default="always")
     parser.add_argument("--torch", action="store_true", help="import torch and keep its threads busy")
     parser.add_argument("--sleep", type=float, default=300.0, help="how long a stalled rank sleeps")
+    parser.add_argument("--inputs", type=int, default=16, help="the model's inputs (its weights: inputs x 8)")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds each rank sleeps before each step")
     parser.add_argument("--progress", action="store_true", help="each rank prints a line after each step")
     parser.add_argument("--tag", default="", help="ignored: marks this job's processes for the test")
@@ -76,10 +77,10 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     rng = np.random.default_rng(rank)
-    x = rng.standard_normal((32, 16)).astype(np.float32)
-    y = x @ np.linspace(-1, 1, 16 * 8, dtype=np.float32).reshape(16, 8) + 0.5
+    x = rng.standard_normal((32, args.inputs)).astype(np.float32)
+    y = x @ np.linspace(-1, 1, args.inputs * 8, dtype=np.float32).reshape(args.inputs, 8) + 0.5
 
-    w = np.zeros((16, 8), np.float32)
+    w = np.zeros((args.inputs, 8), np.float32)
     b = np.zeros(8, np.float32)
     broadcast_parameters([w, b])
     timeout = None if args.timeout == "none" else float(args.timeout)
