@@ -83,18 +83,18 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     fp16 = get_compression("fp16")
     rows = _rows(n, np.float16, 7 + n)
     groups = _groups(hosts)
-    half = [np.float32(0.5)]
+    half = np.float32(0.5)
 
-    def level(parts: list[np.ndarray], scale: np.float32 = np.float32(1)) -> np.ndarray:
-        return (_in_order([p.astype(np.float32) for p in parts]) * scale).astype(np.float16)
+    def level(parts: list[np.ndarray], scale: float = 1.0) -> np.ndarray:
+        return (_in_order([p.astype(np.float32) for p in parts]) * np.float32(scale)).astype(np.float16)
 
     if len(groups) == 1:
-        expected = level([rows[r] for r in groups[0]], half[0])
+        expected = level([rows[r] for r in groups[0]], half)
     else:
-        expected = level([level([rows[r] for r in g]) for g in groups], half[0])
+        expected = level([level([rows[r] for r in g]) for g in groups], half)
     summer = hosts.slice_sum(fp16, 256 << 10)
     data = rows[WORLD.Get_rank()].copy()
-    summer.reduce(data, float(half[0]))
+    summer.reduce(data, float(half))
     np.testing.assert_array_equal(data.view(np.uint16), expected.view(np.uint16))
 
 
