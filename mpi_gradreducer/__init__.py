@@ -17,7 +17,7 @@ from .reducer import DistributedGradReducer, ReducerStats
 from .shard import Piece, Shard
 from .sparse import RowSparse
 
-__version__ = "0.1.0"
+__version__ = "0.5.0"
 
 __all__ = [
     "Bucket",
