@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with only Python 3 and pip:
 # installs the package with MPICH from PyPI into .venv, checks the code with
-# ruff and mypy (configured in pyproject.toml), then runs the collective
-# tests under mpiexec with 4 and 3 ranks, then everything in one process
-# (unit tests, size-1 runs, and the tests that launch whole MPI jobs).
+# ruff and mypy (configured in pyproject.toml), builds the documentation site
+# with warnings as errors (scripts/docs.sh, which installs the docs extra), then
+# runs the collective tests under mpiexec with 4 and 3 ranks, then everything
+# in one process (unit tests, size-1 runs, the tests that launch whole MPI jobs,
+# and the documentation's examples).
 # Every run has a hard time limit: a hang fails the suite instead of stalling it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +16,8 @@ export PATH="$PWD/$venv/bin:$PATH"
 echo "== ruff check, mypy"
 timeout --kill-after=10 300 ruff check --no-cache .
 timeout --kill-after=10 300 mypy
+echo "== docs: install the docs extra, build the site with warnings as errors"
+MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh
 pytest=(python -m pytest -q -p no:cacheprovider tests)
 for n in 4 3; do
   echo "== mpiexec -n $n: collective tests"
