@@ -17,6 +17,8 @@ from .reducer import DistributedGradReducer, ReducerStats
 from .shard import Piece, Shard
 from .sparse import RowSparse
 
+#: This version of the package, written only here (setup.cfg and the docs read it).
+#: A string such as "0.5.0".
 __version__ = "0.5.0"
 
 __all__ = [

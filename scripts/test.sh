@@ -18,7 +18,7 @@ timeout --kill-after=10 300 ruff check --no-cache .
 timeout --kill-after=10 300 mypy
 echo "== docs: install the docs extra, build the site with warnings as errors"
 MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh
-pytest=(python -m pytest -q -p no:cacheprovider tests)
+pytest=(python -m pytest -q -rs -p no:cacheprovider tests)
 for n in 4 3; do
   echo "== mpiexec -n $n: collective tests"
   timeout --kill-after=10 900 mpiexec -n "$n" "${pytest[@]}" --only-mpi
