@@ -2,7 +2,7 @@
 # The whole test suite, on a fresh machine with only Python 3 and pip:
 # installs the package with MPICH from PyPI into .venv, checks the code with
 # ruff and mypy (configured in pyproject.toml), builds the documentation site
-# with warnings as errors (scripts/docs.sh, which installs the docs extra), then
+# with warnings as errors (scripts/docs.sh; the docs extra is installed here), then
 # runs the collective tests under mpiexec with 4 and 3 ranks, then everything
 # in one process (unit tests, size-1 runs, the tests that launch whole MPI jobs,
 # and the documentation's examples).
@@ -11,17 +11,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${MPI_GRADREDUCER_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test]"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test,docs]"
 export PATH="$PWD/$venv/bin:$PATH"
 echo "== ruff check, mypy"
 timeout --kill-after=10 300 ruff check --no-cache .
 timeout --kill-after=10 300 mypy
-echo "== docs: install the docs extra, build the site with warnings as errors"
-MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh
-pytest=(python -m pytest -q -rs -p no:cacheprovider tests)
+echo "== docs: the site, warnings as errors"
+MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh --no-install
+pytest=(python -m pytest -q -p no:cacheprovider tests)
 for n in 4 3; do
   echo "== mpiexec -n $n: collective tests"
   timeout --kill-after=10 900 mpiexec -n "$n" "${pytest[@]}" --only-mpi
 done
 echo "== one process: all tests"
-timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi
+# -rs: every skip with its reason (the documentation examples marked as fragments among them)
+timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi -rs
