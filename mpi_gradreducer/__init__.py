@@ -17,7 +17,9 @@ from .reducer import DistributedGradReducer, ReducerStats
 from .shard import Piece, Shard
 from .sparse import RowSparse
 
-__version__ = "0.1.0"
+#: This version of the package, written only here (setup.cfg and the docs read it).
+#: A string such as "0.5.0".
+__version__ = "0.5.0"
 
 __all__ = [
     "Bucket",

@@ -190,7 +190,7 @@ class DistributedGradReducer:
 
     @property
     def buckets(self) -> tuple[Any, ...]:
-        """The plan: one entry per fused message, in the order they are sent."""
+        """One entry per fused message (the plan), in the order they are sent."""
         return self._plan.buckets
 
     @property
@@ -271,7 +271,7 @@ class DistributedGradReducer:
     def reduce_scatter(self, grads: Sequence[Any]) -> shard.Shard:
         """Like ``reducer(grads)``, but this rank receives only its pieces of the result (collective).
 
-        For ZeRO-style sharded optimizers (:mod:`mpi_gradreducer.shard`): ``shard.allgather(params)`` then
+        For ZeRO-style sharded optimizers (``mpi_gradreducer.shard``): ``shard.allgather(params)`` then
         shares the updated pieces; ``grads`` are left as they are. Raises ``ValueError``/``TypeError`` on
         every rank for bad gradients on any rank (arrays only, validated as by the blocking call), for a
         rank in ``join()``, for a plain call on another rank, or with ``compression=PowerSGD(...)``.

@@ -77,7 +77,7 @@ class RowSparse:
 
     @property
     def row_shape(self) -> tuple[int, ...]:
-        """Shape of one row: ``dense_shape[1:]``."""
+        """The shape of one row, ``dense_shape[1:]``."""
         return tuple(self.dense_shape[1:])
 
     def __repr__(self) -> str:
@@ -179,7 +179,7 @@ def allgather_rowsparse(
 
     Collective over ``comm``. One ``Allgather`` exchanges the row counts
     together with a check that every rank's ``rs`` is valid and has the same
-    :func:`signature`; when one is not, every rank raises the same error and
+    ``signature()``; when one is not, every rank raises the same error and
     no data moves. Then one ``Allgatherv`` of the indices (as int64) and one
     of the values (raw, in their own dtype). Nothing is pickled.
 

@@ -125,7 +125,7 @@ class DistributedOptimizer:
         size, rank = comm.Get_size(), comm.Get_rank()
         first = self._params[0]
         flags = torch.zeros(len(self._params) + len(MISUSES) * size, dtype=first.dtype, device=first.device)
-        #: The reducer: its first gradient is the flags, then one per parameter.
+        #: The underlying DistributedGradReducer; its first gradient is the flags, then one per parameter.
         self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], **options)
         self._size, self._rank = size, rank
         self._skip = tuple(self.reducer.options.skip[1:])
@@ -334,7 +334,7 @@ class DistributedOptimizer:
         """This rank has no more data: take part in the other ranks' steps with nothing (collective).
 
         Each of their steps is averaged over the ranks that contributed to it
-        (see :meth:`DistributedGradReducer.join`). Once every rank has
+        (see :meth:`mpi_gradreducer.DistributedGradReducer.join`). Once every rank has
         joined, the parameters and the optimizer state of the rank that took
         the most steps (the lowest such rank) are copied into every rank's.
 

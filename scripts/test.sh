@@ -1,23 +1,26 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine with only Python 3 and pip:
 # installs the package with MPICH from PyPI into .venv, checks the code with
-# ruff and mypy (configured in pyproject.toml), then runs the collective
-# tests under mpiexec with 4 and 3 ranks, then across hosts (2 hosts x 2 ranks,
-# network namespaces made by scripts/cluster.py, MPI over TCP; with the link
-# cut, an outage and a host's ranks killed), then everything else in one
-# process (unit tests, size-1 runs, and the tests that launch whole MPI jobs).
-# The stage across hosts needs root and network namespaces: elsewhere it says
-# why and is skipped.
+# ruff and mypy (configured in pyproject.toml), builds the documentation site
+# with warnings as errors (scripts/docs.sh; the docs extra is installed here), then
+# runs the collective tests under mpiexec with 4 and 3 ranks, then across hosts
+# (2 hosts x 2 ranks, network namespaces made by scripts/cluster.py, MPI over
+# TCP; with a link cut, an outage and a host's ranks killed), then everything
+# else in one process (unit tests, size-1 runs, the tests that launch whole MPI
+# jobs, and the documentation's examples). The stage across hosts needs root and
+# network namespaces: elsewhere it says why and is skipped.
 # Every run has a hard time limit: a hang fails the suite instead of stalling it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${MPI_GRADREDUCER_VENV:-.venv}
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
-"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test]"
+"$venv/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[mpich,test,docs]"
 export PATH="$PWD/$venv/bin:$PATH"
 echo "== ruff check, mypy"
 timeout --kill-after=10 300 ruff check --no-cache .
 timeout --kill-after=10 300 mypy
+echo "== docs: the site, warnings as errors"
+MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh --no-install
 pytest=(python -m pytest -q -p no:cacheprovider tests)
 for n in 4 3; do
   echo "== mpiexec -n $n: collective tests"
@@ -34,4 +37,5 @@ else
   echo "skipped: $why"
 fi
 echo "== one process: all other tests"
-timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi --ignore=tests/test_hosts.py
+# -rs: every skip with its reason (the documentation examples marked as fragments among them)
+timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi -rs --ignore=tests/test_hosts.py
