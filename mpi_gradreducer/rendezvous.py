@@ -33,18 +33,14 @@ _MAX_OFFERED = 16
 
 
 class Rendezvous(NamedTuple):
-    """Where rank 0 listens and how this rank reaches it.
-
-    Attributes:
-        address: rank 0's IPv4 address, the same on every rank.
-        port: a TCP port that was free on rank 0 when asked, the same on every rank.
-        interface: the name of this rank's interface that holds its route to
-            ``address`` (for ``GLOO_SOCKET_IFNAME``), or None where unknown.
-    """
+    """Where rank 0 listens and how this rank reaches it."""
 
     address: str
+    """Rank 0's IPv4 address, the same on every rank."""
     port: int
+    """A TCP port that was free on rank 0 when asked, the same on every rank."""
     interface: str | None
+    """This rank's interface that holds its route to ``address`` (for ``GLOO_SOCKET_IFNAME``), or None."""
 
     @property
     def url(self) -> str:
