@@ -65,6 +65,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..groups import processor_names
+from .output import bytes_label
 
 __all__ = [
     "Hosts",
@@ -390,14 +391,14 @@ def format_lines(fig: Mapping[str, Any]) -> list[str]:
         bound = ("wire bound 0" if rate else "no --link-rate") + ": one host, nothing crosses a link"
         return [f"  across hosts ({layout}{', ' + format_rate(rate) if rate else ''}): {bound}; "
                 "no NIC bytes counted"]
-    head = (f"  across hosts ({layout}): every host sends at least 2(H-1)/H x {fig['gradient_bytes'] / 1e6:.1f} MB "
-            f"= {fig['ring_bytes'] / 1e6:.1f} MB per call (the ring optimum)")
-    head += (f"; at {format_rate(rate)} the wire bound is {fig['wire_bound_ms']:.1f} ms" if rate
+    head = (f"  across hosts ({layout}): every host sends at least 2(H-1)/H x {bytes_label(fig['gradient_bytes'])} "
+            f"= {bytes_label(int(fig['ring_bytes']))} per call (the ring optimum)")
+    head += (f"; at {format_rate(rate)} the wire bound is {fig['wire_bound_ms']:.3g} ms" if rate
              else "; no --link-rate: no wire bound")
-    lines = [head, f"  {'method':<20}{'median ms':>11}{'x wire':>9}{'MB sent/call':>14}{'x ring':>9}{'x own':>8}"
-                   "  (MB sent: the busiest host's NICs)"]
+    lines = [head, f"  {'method':<20}{'median ms':>11}{'x wire':>9}{'sent/call':>12}{'x ring':>9}{'x own':>8}"
+                   "  (sent: by the busiest host's NICs)"]
     for name, m in fig["methods"].items():
-        busiest = None if m["busiest_bytes"] is None else m["busiest_bytes"] / 1e6
-        lines.append(f"  {name:<20}{m['median_ms']:>11.2f}{_cell(m['x_wire'], '.2f', 9)}{_cell(busiest, '.2f', 14)}"
+        busiest = "-" if m["busiest_bytes"] is None else bytes_label(int(m["busiest_bytes"]))
+        lines.append(f"  {name:<20}{m['median_ms']:>11.2f}{_cell(m['x_wire'], '.2f', 9)}{busiest:>12}"
                      f"{_cell(m['x_ring'], '.2f', 9)}{_cell(m['x_own'], '.2f', 8)}")
     return lines
