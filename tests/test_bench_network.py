@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mpi4py import MPI
 
@@ -103,30 +105,56 @@ def test_counters_of_this_namespace_grow():
     assert network.tx_bytes(names) >= 0
 
 
+#: The hosts of the launch: ``scripts/cluster.py`` tells the ranks (the code under test finds them by itself).
+LAUNCH_HOSTS = int(os.environ.get("CLUSTER_HOSTS", "1"))
+
+
 @pytest.mark.mpi
-def test_one_machine_is_one_host_and_meters_nothing():
+def test_the_hosts_found_are_those_of_the_launch():
     hosts = network.host_layout(WORLD)
-    assert hosts.count == 1 and hosts.index == 0 and hosts.ranks_per_host == (WORLD.Get_size(),)
-    assert WORLD.allreduce(int(hosts.leader), op=MPI.SUM) == 1
-    meter = network.NicMeter(WORLD)
-    meter.before(0)
-    meter.after(0)
-    assert not meter.active and meter.per_call(["a"]) == {}
+    assert hosts.count == LAUNCH_HOSTS
+    assert hosts.ranks_per_host == (WORLD.Get_size() // LAUNCH_HOSTS,) * LAUNCH_HOSTS
+    assert WORLD.allreduce(int(hosts.leader), op=MPI.SUM) == LAUNCH_HOSTS
+    assert sorted(set(WORLD.allgather(hosts.index))) == list(range(LAUNCH_HOSTS))
 
 
 @pytest.mark.mpi
-def test_one_host_run_with_a_link_rate_says_nothing_crosses_a_link(capsys):
+def test_the_meter_counts_each_host_across_hosts_and_nothing_on_one():
+    meter = network.NicMeter(WORLD)
+    buf = np.ones(1 << 18, dtype=np.float32)  # 1 MiB
+    for _ in range(2):
+        meter.before(0)
+        WORLD.Allreduce(MPI.IN_PLACE, buf)
+        meter.after(0)
+    sent = meter.per_call(["allreduce", "never run"])
+    assert meter.active == (LAUNCH_HOSTS > 1)
+    if LAUNCH_HOSTS == 1:
+        assert sent == {}
+    else:
+        assert list(sent) == ["allreduce"] and len(sent["allreduce"]) == LAUNCH_HOSTS
+        assert all(b >= network.ring_bytes(buf.nbytes, LAUNCH_HOSTS) * 0.9 for b in sent["allreduce"]), sent
+
+
+@pytest.mark.mpi
+def test_a_run_with_a_link_rate_gives_the_wire_bound_or_says_nothing_crosses_a_link(capsys):
     res = bench.main(["--workload", "small", "--methods", "limit", "reducer", "reducer-fp16", "--reps", "1",
                       "--warmup", "0", "--link-rate", "2.5gbit"], comm=WORLD)
     out, _ = capsys.readouterr()
     net = res["workloads"]["small"]["network"]
-    assert net["hosts"] == 1 and net["link_rate_bps"] == 2.5e9 and net["wire_bound_ms"] == 0.0
-    assert all(m["busiest_bytes"] is None and m["x_wire"] is None for m in net["methods"].values())
+    assert net["hosts"] == LAUNCH_HOSTS and net["link_rate_bps"] == 2.5e9
     assert set(net["methods"]) == {"limit", "reducer", "reducer-fp16"}
     assert math.isclose(res["settings"]["link_rate"], 2.5e9)
+    if LAUNCH_HOSTS == 1:
+        assert net["wire_bound_ms"] == 0.0
+        assert all(m["busiest_bytes"] is None and m["x_wire"] is None for m in net["methods"].values())
+        expected = (f"across hosts (1 host x {WORLD.Get_size()} ranks, 2.5 Gbit/s): wire bound 0: one host, nothing "
+                    "crosses a link; no NIC bytes counted")
+    else:
+        assert net["wire_bound_ms"] == pytest.approx(network.wire_bound_seconds(38440, LAUNCH_HOSTS, 2.5e9) * 1e3)
+        assert all(m["busiest_bytes"] > 0 and m["x_wire"] > 0 for m in net["methods"].values())
+        expected = "at 2.5 Gbit/s the wire bound is"
     if WORLD.Get_rank() == 0:
-        assert (f"across hosts (1 host x {WORLD.Get_size()} ranks, 2.5 Gbit/s): wire bound 0: one host, nothing "
-                "crosses a link; no NIC bytes counted") in out
+        assert expected in out, out
 
 
 @pytest.mark.mpi
