@@ -20,10 +20,11 @@ It writes, under ``--out`` (default ``out/bench_hosts``): each rate's
 results file (``rate-RATE.json``, as the benchmark's ``--json`` writes it),
 ``summary.json`` (per rate, per method: median time per call, its multiple
 of the wire bound, the busiest host's NIC bytes per call and their multiple
-of the ring optimum) and the plot (``--plot``, default
+of the ring optimum; the load average before and after each run) and the plot (``--plot``, default
 ``OUT/bench_hosts.png``): time per call against link rate, one line per
 method, and the wire bound ``2 (H - 1) / H * gradient bytes / rate``. It
-prints every run's tables as they come and a summary at the end. See
+prints every run's tables as they come and a summary at the end. ``--no-run``
+summarises and plots the results files already under ``--out``. See
 :mod:`mpi_gradreducer.bench.network` for what the byte counters count.
 
 Exit status: 0 when every rate ran; 1 when some run failed (the others are
@@ -47,7 +48,7 @@ import mpi4py
 mpi4py.rc.initialize = False  # this process only launches jobs: no MPI here
 mpi4py.rc.finalize = False
 
-from mpi_gradreducer.bench.network import format_rate, parse_link_rate  # noqa: E402
+from mpi_gradreducer.bench.network import format_ms, format_rate, parse_link_rate  # noqa: E402
 from mpi_gradreducer.bench.output import bytes_label, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,6 +73,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--name", default="bhosts", help="the cluster's name (default bhosts)")
     p.add_argument("--out", default="out/bench_hosts", help="directory of the results (default out/bench_hosts)")
     p.add_argument("--plot", help="the PNG to write (default OUT/bench_hosts.png)")
+    p.add_argument("--no-run", action="store_true",
+                   help="make no cluster: summarise and plot the results files of an earlier run under --out")
     args = p.parse_args(argv)
     try:
         args.rate_list = [(text, parse_link_rate(text)) for text in args.rates.split(",") if text]
@@ -157,7 +160,7 @@ def summarise(args: argparse.Namespace, done: dict[str, str]) -> dict[str, Any]:
         out["rates"].append({"rate": text, "link_rate_bps": net["link_rate_bps"],
                              "wire_bound_ms": net["wire_bound_ms"], "hosts_measured": net["hosts"],
                              "limit_chunk": res.get("limit_chunk"), "skipped": res.get("skipped", {}),
-                             "loadavg": [env.get("loadavg"), env.get("loadavg_at_end")],
+                             "loadavg": [env.get("loadavg_at_start"), env.get("loadavg_at_end")],
                              "methods": net["methods"], "file": path})
     return out
 
@@ -178,7 +181,7 @@ def table(summary: dict[str, Any]) -> str:
              f"hosts x {summary['ppn']} ranks, {summary['reps']} reps; ring optimum "
              f"{bytes_label(int(summary['ring_bytes']))} sent per host and call",
              "time per call, ms (x wire bound)", head,
-             f"{'wire bound':<18}" + "".join(f"{r['wire_bound_ms']:>{width}.3g}" for r in rows)]
+             f"{'wire bound':<18}" + "".join(f"{format_ms(r['wire_bound_ms']):>{width}}" for r in rows)]
     for name in methods:
         cells = []
         for r in rows:
@@ -202,9 +205,14 @@ def table(summary: dict[str, Any]) -> str:
 def main(argv: Sequence[str]) -> int:
     args = parse(argv)
     os.makedirs(args.out, exist_ok=True)
-    done = run_rates(args)
+    if args.no_run:
+        paths = {text: os.path.join(args.out, f"rate-{text}.json") for text, _ in args.rate_list}
+        done = {text: path for text, path in paths.items() if os.path.exists(path)}
+    else:
+        done = run_rates(args)
     if not done:
-        print("bench_hosts: no run succeeded", file=sys.stderr)
+        print("bench_hosts: no results" + (f" under {args.out}" if args.no_run else ": no run succeeded"),
+              file=sys.stderr)
         return 1
     summary = summarise(args, done)
     path = os.path.join(args.out, "summary.json")

@@ -136,6 +136,12 @@ def test_bench_hosts_runs_each_rate_plots_and_takes_its_cluster_down(tmp_path: P
     assert all(set(r["methods"]) == {"limit", "reducer"} for r in summary["rates"])
     assert (out / "bench_hosts.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "time per call, ms (x wire bound)" in done.stdout and "sent per call by the busiest host" in done.stdout
+    again = subprocess.run([sys.executable, str(BENCH_HOSTS), "--no-run", "--workload", "small", "--rates",
+                            "1gbit,5gbit,2gbit", "--out", str(out), "--plot", str(tmp_path / "again.png")],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT, env=_env())
+    assert again.returncode == 1, again  # no results at 2gbit
+    assert re.search(r"^wire bound\s+0\.308\s+0\.0615$", again.stdout, re.M), again.stdout
+    assert (tmp_path / "again.png").exists() and not leftovers(name)
 
 
 def test_bench_hosts_refuses_a_bad_rate_and_makes_no_cluster():

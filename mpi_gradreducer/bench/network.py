@@ -73,6 +73,7 @@ __all__ = [
     "SYS_NET",
     "figures",
     "format_lines",
+    "format_ms",
     "format_rate",
     "host_layout",
     "interfaces",
@@ -120,6 +121,11 @@ def format_rate(bits_per_second: float) -> str:
         if bits_per_second >= scale:
             return f"{bits_per_second / scale:g} {unit}"
     return f"{bits_per_second:g} bit/s"
+
+
+def format_ms(ms: float) -> str:
+    """A time in milliseconds to 3 significant digits, without an exponent: ``"0.308"``, ``"818"``, ``"1635"``."""
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def ring_bytes(nbytes: int | float, hosts: int) -> float:
@@ -393,7 +399,7 @@ def format_lines(fig: Mapping[str, Any]) -> list[str]:
                 "no NIC bytes counted"]
     head = (f"  across hosts ({layout}): every host sends at least 2(H-1)/H x {bytes_label(fig['gradient_bytes'])} "
             f"= {bytes_label(int(fig['ring_bytes']))} per call (the ring optimum)")
-    head += (f"; at {format_rate(rate)} the wire bound is {fig['wire_bound_ms']:.3g} ms" if rate
+    head += (f"; at {format_rate(rate)} the wire bound is {format_ms(fig['wire_bound_ms'])} ms" if rate
              else "; no --link-rate: no wire bound")
     lines = [head, f"  {'method':<20}{'median ms':>11}{'x wire':>9}{'sent/call':>12}{'x ring':>9}{'x own':>8}"
                    "  (sent: by the busiest host's NICs)"]

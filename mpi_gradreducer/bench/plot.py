@@ -65,6 +65,7 @@ def plot_rates(path: str, summary: dict[str, Any]) -> None:
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
 
     fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)
@@ -85,12 +86,13 @@ def plot_rates(path: str, summary: dict[str, Any]) -> None:
     ax.set_yscale("log")
     ax.set_xticks(gbit)
     ax.set_xticklabels([f"{g:g}" for g in gbit])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("each host's link rate, Gbit/s (tc tbf)")
     ax.set_ylabel("time per call, ms (median)")
     ax.set_title(f"{summary['workload']} ({summary['gradient_bytes'] / 1e6:.1f} MB of gradients), "
                  f"{summary['hosts']} hosts x {summary['ppn']} ranks, MPI over TCP", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="upper right")
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path)
