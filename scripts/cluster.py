@@ -20,6 +20,7 @@ Commands (as root)::
     cluster.py run --hosts 2 --ppn 2 -- CMD ...   # up, run, down in one go (down also on failure)
     cluster.py exec 2 -- ip addr                  # one command on host 2
     cluster.py cut 2 / cluster.py restore 2       # host 2's link down (packets dropped) / up again
+    cluster.py rate 2.5gbit                       # reshape every host's NIC (or none: unshaped)
     cluster.py stats                              # bytes each host has sent and received
     cluster.py down                               # kill what runs on the hosts, remove everything
     cluster.py check                              # exit 0 if namespaces work here, 3 (and why) if not
@@ -86,6 +87,19 @@ def tc(ns: str, *args: str) -> None:
     proc = subprocess.run(["ip", "netns", "exec", ns, "tc", *args], capture_output=True, text=True, timeout=30)
     if proc.returncode != 0:
         raise ClusterError(f"`tc {' '.join(args)}` on {ns} failed: {proc.stderr.strip()}")
+
+
+def shape(ns: str, rate: str) -> None:
+    """Shape namespace ``ns``'s NIC to send at most ``rate`` (a token bucket filter as its root qdisc)."""
+    tc(ns, "qdisc", "replace", "dev", NIC, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "20ms")
+
+
+def unshape(ns: str) -> None:
+    """Remove the root qdisc of namespace ``ns``'s NIC, if it has one of its own (the kernel's default returns)."""
+    shown = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", NIC, "root"],
+                           capture_output=True, text=True, timeout=30).stdout
+    if shown.startswith("qdisc tbf"):
+        tc(ns, "qdisc", "del", "dev", NIC, "root")
 
 
 def parse_rate(text: str) -> str | None:
@@ -194,7 +208,7 @@ class Cluster:
         ip("-n", ns, "link", "set", NIC, "up")
         ip("-n", ns, "link", "set", "lo", "up")
         if rate is not None:
-            tc(ns, "qdisc", "replace", "dev", NIC, "root", "tbf", "rate", rate, "burst", "256kb", "latency", "20ms")
+            shape(ns, rate)
 
     def _write_etc(self, count: int, net: ipaddress.IPv4Network) -> None:
         """Each host's ``/etc/hosts`` and ``/etc/resolv.conf`` (``ip netns exec`` mounts ``/etc/netns/NS/*``).
@@ -239,6 +253,17 @@ class Cluster:
         """The processes running in host ``host``'s namespace: pid to command line."""
         pids = ip("netns", "pids", self.ns(host), check=False).split()
         return {int(p): cmdline(int(p)) for p in pids if p.isdigit() and int(p) != os.getpid()}
+
+    def set_rate(self, rate: str | None) -> None:
+        """Shape every host's NIC to ``rate`` (``tc``'s spelling), or leave it unshaped for None."""
+        hosts = self.hosts()
+        if not hosts:
+            raise ClusterError(f"cluster {self.name!r} is not up; run `cluster.py up --hosts H` first")
+        for host in hosts:
+            if rate is not None:
+                shape(self.ns(host), rate)
+            else:
+                unshape(self.ns(host))
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host ``host``'s link down (its packets are dropped; its address and routes stay) or up."""
@@ -387,6 +412,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     ex.add_argument("command", nargs=argparse.REMAINDER)
     for verb in ("cut", "restore"):
         sub.add_parser(verb, help=f"{verb} one host's link").add_argument("host")
+    sub.add_parser("rate", help="reshape every host's NIC: 1gbit, 500mbit, ... or none").add_argument("rate")
     sub.add_parser("stats", help="bytes each host has sent and received")
     sub.add_parser("down", help="kill what runs on the hosts and remove the cluster")
     sub.add_parser("check", help="exit 0 if a cluster can be made here, else 3 and why")
@@ -435,6 +461,10 @@ def main(argv: Sequence[str]) -> int:
         return 0
     if args.what in ("cut", "restore"):
         cluster.set_link(cluster.host_number(args.host), up=args.what == "restore")
+        return 0
+    if args.what == "rate":
+        cluster.set_rate(parse_rate(args.rate))
+        print(f"cluster {args.name}: rate {args.rate} on hosts {', '.join(map(str, cluster.hosts()))}")
         return 0
     if args.what == "stats":
         for host, (tx, rx) in cluster.stats().items():

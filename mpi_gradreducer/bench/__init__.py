@@ -10,7 +10,10 @@ Run under MPI; only rank 0 prints::
 Each subcommand's module is imported only when it runs. The parts they share:
 :mod:`.workloads` (gradient shapes), :mod:`.timing` (interleaved cases,
 medians), :mod:`.limit` (the raw-MPI limit), :mod:`.environment`,
-:mod:`.output` and :mod:`.cli` (options under MPI).
+:mod:`.output` and :mod:`.cli` (options under MPI), and :mod:`.network`
+(across hosts: the host count, the wire bound of ``--link-rate``, each
+host's NIC bytes per call). ``scripts/bench_hosts.py`` runs the host
+benchmark across a cluster of ``scripts/cluster.py`` at several link rates.
 """
 
 from __future__ import annotations

@@ -21,9 +21,11 @@ from mpi4py import MPI
 if TYPE_CHECKING:
     from _typeshed import SupportsWrite
 
+from .network import parse_link_rate
 from .output import one_line, rank0_printer
 
-__all__ = ["RankParser", "add_shared_options", "check_shared", "parse", "run_as_script", "start"]
+__all__ = ["RankParser", "add_network_options", "add_shared_options", "check_shared", "parse", "run_as_script",
+           "start"]
 
 #: The exit status of a rank whose parsing went through (no exit).
 _GO_ON = -1
@@ -109,6 +111,37 @@ def add_shared_options(parser: argparse.ArgumentParser, reps: int) -> None:
                         help="many-small: elements per tensor (default 1024)")
     parser.add_argument("--reps", type=int, default=reps, help=f"timed repetitions per method (default {reps})")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+
+
+def _link_rate(text: str) -> float:
+    try:
+        return parse_link_rate(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--link-rate: ")) from None
+
+
+def _nics(text: str) -> list[str]:
+    names = [n for n in text.split(",") if n]
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected interface names separated by commas, got {text!r}")
+    return names
+
+
+def add_network_options(parser: argparse.ArgumentParser) -> None:
+    """Add the options of a run across hosts: ``--link-rate`` and ``--nics`` (see :mod:`.network`).
+
+    ``args.link_rate`` is the rate in bits per second (None without the
+    option); ``args.nics`` the interface names to count (None: all but the loopback).
+
+    Args:
+        parser: the parser to extend.
+    """
+    parser.add_argument("--link-rate", type=_link_rate, default=None, metavar="RATE",
+                        help="each host's link rate, e.g. 1gbit, 500mbit, 2.5gbit: print the wire bound "
+                             "2(H-1)/H x gradient bytes / RATE (H hosts) and each method's time as a multiple of it")
+    parser.add_argument("--nics", type=_nics, default=None, metavar="NAMES",
+                        help="across hosts, the interfaces whose sent bytes are counted, e.g. eth0 or eth0,eth1 "
+                             "(default: all but the loopback)")
 
 
 def check_shared(args: argparse.Namespace) -> str | None:

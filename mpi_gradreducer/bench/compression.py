@@ -18,6 +18,11 @@ with the mean applied. ``cast`` rows time the
 pack and unpack alone, without communication. Errors are against the mean
 computed in float64 from the same float32 inputs, and the ranks' results are
 checked to be bitwise identical.
+
+Across hosts, a table of each host's NIC bytes per call follows, and with
+``--link-rate RATE`` the wire bound of the uncompressed gradient (see
+:mod:`mpi_gradreducer.bench.network`); for the 16-bit modes ``x own`` is
+against the ring optimum of their own 2 bytes per value.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from mpi4py import MPI
 
 from .. import transport
 from ..compression import Compression, compressed_allreduce, get_compression, pack, unpack
-from .cli import RankParser, parse, run_as_script
+from .cli import RankParser, add_network_options, parse, run_as_script
+from .network import NicMeter, figures, format_lines as network_lines
 from .output import write_json
 from .timing import Case, time_cases
 
@@ -52,6 +58,7 @@ def _parser(rank: int = 0) -> RankParser:
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {MODES}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="write the results to PATH")
+    add_network_options(p)
     return p
 
 
@@ -130,7 +137,8 @@ class _Errors:
             raise RuntimeError(f"{', '.join(differ)}: the ranks' results differ")
 
 
-def _measure(comm: MPI.Intracomm, args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, list[float]], _Errors]:
+def _measure(comm: MPI.Intracomm, args: argparse.Namespace, modes: list[str], meter: NicMeter | None = None
+             ) -> tuple[dict[str, list[float]], _Errors]:
     size, rank = comm.Get_size(), comm.Get_rank()
     x = np.random.default_rng([args.seed, rank]).standard_normal(args.elements, dtype=np.float32)
     grad = np.empty_like(x)
@@ -142,7 +150,7 @@ def _measure(comm: MPI.Intracomm, args: argparse.Namespace, modes: list[str]) ->
     try:
         cases = [Case(mode, lambda: np.copyto(grad, x), _runner(mode, comm, grad, comps, args.chunk_bytes),
                       None if mode.endswith("-cast") else errors.check(mode)) for mode in modes]
-        times = time_cases(comm, cases, args.reps, 0)
+        times = time_cases(comm, cases, args.reps, 0, meter)
     finally:
         for c in comps.values():
             c.free()
@@ -183,7 +191,9 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
     modes = [m for m in args.modes.split(",") if m]
     comm = comm.Dup()
     try:
-        times, errors = _measure(comm, args, modes)
+        meter = NicMeter(comm, args.nics)
+        times, errors = _measure(comm, args, modes, meter)
+        sent = meter.per_call(modes)
         base = statistics.median(times["none"]) if "none" in times else float("nan")
         rows: dict[str, dict[str, Any]] = {}
         for mode in modes:
@@ -192,10 +202,15 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
             if mode in errors.errors:
                 rows[mode]["errors"] = dict(zip(("max_abs", "rel_l2", "max_over_max"), errors.errors[mode],
                                                 strict=True))
+        own = {mode: 2 * args.elements for mode in modes if mode != "none" and not mode.endswith("-cast")}
+        net = figures(meter.hosts, 4 * args.elements, args.link_rate,
+                      {mode: row["median_ms"] for mode, row in rows.items()}, sent, own)
         if comm.Get_rank() == 0:
             print(_table(comm, args, rows), flush=True)
+            print("\n".join(network_lines(net)), flush=True)
             if args.json:
-                write_json(args.json, {"settings": vars(args), "ranks": comm.Get_size(), "modes": rows})
+                write_json(args.json, {"settings": vars(args), "ranks": comm.Get_size(), "modes": rows,
+                                       "network": net})
         return rows
     finally:
         comm.Free()

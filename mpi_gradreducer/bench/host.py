@@ -59,6 +59,11 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     built from them; ``reducer-torch / reducer`` is the cost of taking torch
     tensors. Reported as not supported, on every rank alike, while the
     reducer refuses torch tensors.
+``reducer-fp16``
+    Only when asked for (``--methods``): the reducer with
+    ``compression="fp16"`` (float32 gradients travel as float16, half the
+    bytes; each rank sums its slice in float32). Reported as skipped where
+    the reducer refuses the workload's dtypes.
 ``reducer-powersgd``, ``torch-powersgd``
     Only when asked for (``--methods``): PowerSGD in the reducer, and torch
     DDP's ``powerSGD_hook`` over gloo as the peer, at ``--powersgd-rank``;
@@ -72,6 +77,10 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
 For the ``small`` workload (the digits MLP, 38 KB) the reducer is also given
 as a ratio to ONE raw Allreduce of all its bytes, with ``validate="always"``
 over ``validate="never"``.
+
+Across hosts (a run whose ranks span several hosts), each workload also
+gets a table of each host's NIC bytes per call and, with ``--link-rate``,
+the wire bound: see :mod:`mpi_gradreducer.bench.network`.
 
 ``--sweep``, ``--overlap`` and ``--plot`` add the experiments of
 :mod:`mpi_gradreducer.bench.sweeps` and :mod:`mpi_gradreducer.bench.overlap`.
@@ -94,10 +103,11 @@ from mpi4py import MPI
 from .. import DistributedGradReducer
 from ..backend import empty
 from . import powersgd
-from .cli import RankParser, add_shared_options, run_as_script, start
+from .cli import RankParser, add_network_options, add_shared_options, run_as_script, start
 from .counters import reducer_stats
 from .environment import environment, loadavg
 from .limit import best_limit, limit_cases
+from .network import NicMeter, figures, format_lines as network_lines
 from .output import KIB, MIB, bytes_label, noise_or, size_label, write_json
 from .overlap import bench_overlap, format_overlap
 from .sweeps import SWEEPS, allreduce_curve, format_sweeps, run_sweeps
@@ -110,9 +120,12 @@ __all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "ma
 #: What runs without ``--workload``.
 DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
 METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-fresh",
-           "reducer-shard", "reducer-torch", "torch-gloo", "reducer-deterministic", *powersgd.POWERSGD_METHODS)
+           "reducer-shard", "reducer-torch", "torch-gloo", "reducer-deterministic", "reducer-fp16",
+           *powersgd.POWERSGD_METHODS)
 #: Methods timed only when named in ``--methods``.
-ON_REQUEST = ("reducer-deterministic", *powersgd.POWERSGD_METHODS)
+ON_REQUEST = ("reducer-deterministic", "reducer-fp16", *powersgd.POWERSGD_METHODS)
+#: Methods whose bytes on the wire are not the gradients' (their own optimum is printed too).
+COMPRESSED = ("reducer-fp16", *powersgd.POWERSGD_METHODS)
 #: What runs without ``--methods``: all but PowerSGD's and ``reducer-deterministic``.
 DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST)
 #: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
@@ -191,6 +204,8 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
         if name in methods:
             r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
             m.cases.append(Case(name, filler(grads, value), partial(r, grads), lambda: all_close(grads, mean)))
+    if "reducer-fp16" in methods:
+        _add_fp16(comm, grads, m)
     if "reducer-views" in methods:
         r = m.reducers["reducer-views"] = DistributedGradReducer(grads, group=comm)
         views = r.allocate_grads()
@@ -203,6 +218,18 @@ def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequenc
         params = [np.empty_like(g) for g in grads]
         m.cases.append(Case("reducer-shard", filler(grads, value), partial(_shard_step, r, grads, params),
                             lambda: all_close(params, mean)))
+
+
+def _add_fp16(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
+    """``reducer-fp16``: the reducer with ``compression="fp16"``, where it takes the workload's dtypes."""
+    holder: dict[str, DistributedGradReducer] = {}
+    why = agree(comm, lambda: holder.setdefault("r", DistributedGradReducer(grads, group=comm, compression="fp16")))
+    if why is not None:  # a reducer built on some ranks only is left alone: freeing it could wait for the others
+        m.skipped["reducer-fp16"] = f"refused by the reducer: {why}"
+        return
+    r = m.reducers["reducer-fp16"] = holder["r"]
+    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
+    m.cases.append(Case("reducer-fp16", filler(grads, value), partial(r, grads), lambda: all_close(grads, mean)))
 
 
 def _add_fresh(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
@@ -274,7 +301,8 @@ def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray]
 
 def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gloo: Gloo | None,
                    torch_unsupported: str | None, reps: int, warmup: int, powersgd_rank: int = 4,
-                   model_ranks: int | None = None) -> dict[str, Any]:
+                   model_ranks: int | None = None, meter: NicMeter | None = None,
+                   link_rate: float | None = None) -> dict[str, Any]:
     """Time the ``methods`` on one workload, interleaved (collective).
 
     Args:
@@ -288,6 +316,10 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
         warmup: untimed repetitions first.
         powersgd_rank: the rank of ``reducer-powersgd`` and ``torch-powersgd``.
         model_ranks: the ranks of the modelled link (default: those of ``comm``).
+        meter: counts each host's NIC bytes around every timed call; with
+            it, the results hold ``network`` (:func:`.network.figures`).
+        link_rate: each host's link rate in bits per second, for the wire
+            bound in ``network`` (with ``meter``).
 
     Returns:
         The workload's facts, ``messages``, ``reducer_stats``, ``skipped``,
@@ -296,7 +328,8 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
     grads = wl.arrays()
     m = _workload_methods(comm, wl, grads, methods, gloo, torch_unsupported, powersgd_rank)
     try:
-        times = time_cases(comm, m.cases, reps, warmup)
+        times = time_cases(comm, m.cases, reps, warmup, meter)
+        sent = meter.per_call([c.name for c in m.cases]) if meter is not None else {}
         stats = {name: reducer_stats(r) for name, r in m.reducers.items() if name in times}
         peer_bytes = {name: peer.wire_bytes() for name, peer in m.peers.items()}
     finally:
@@ -313,7 +346,23 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
         out["powersgd_rank"] = powersgd_rank
         out["powersgd_peer_bytes"] = peer_bytes
         out["powersgd_link"] = powersgd.model(out, model_ranks or size)
+    if meter is not None:
+        out["network"] = _network(wl, out, sent, stats, peer_bytes, meter, link_rate)
     return out
+
+
+def _network(wl: Workload, out: dict[str, Any], sent: dict[str, list[float]], stats: dict[str, Any],
+             peer_bytes: dict[str, int], meter: NicMeter, link_rate: float | None) -> dict[str, Any]:
+    """The figures across hosts: the limit is its fastest chunk size's; compressed methods get their own optimum."""
+    sent = dict(sent)
+    for name, chunk in out.get("limit_by_chunk", {}).items():
+        chunk["host_bytes"] = sent.get(name)
+    if "limit" in out["methods"]:
+        sent["limit"] = sent.get(f"limit@{out['limit_chunk']}", [])
+    own = {name: stats[name]["wire_bytes"] for name in COMPRESSED if name in stats}
+    own.update({name: b for name, b in peer_bytes.items() if name in out["methods"]})
+    medians = {name: res["median_ms"] for name, res in out["methods"].items()}
+    return figures(meter.hosts, wl.nbytes, link_rate, medians, sent, own)
 
 
 def _method_summaries(wl: Workload, results: dict[str, dict[str, Any]], m: _Methods,
@@ -447,6 +496,8 @@ def format_workload(name: str, res: dict[str, Any]) -> str:
     lines.extend(_derived_lines(name, res))
     if "powersgd_rank" in res:
         lines.extend(powersgd.format_lines(res))
+    if "network" in res:
+        lines.extend(network_lines(res["network"]))
     return "\n".join(lines)
 
 
@@ -477,6 +528,7 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
                    help="write a PNG of step time against link bandwidth, modelled from the measured parts of "
                         "reducer and reducer-powersgd")
     add_shared_options(p, reps=7)
+    add_network_options(p)
     p.add_argument("--sweep", nargs="*", choices=SWEEPS, default=None,
                    help="also run these experiments (no value: all): the reducer's bucket_bytes on resnet50 "
                         "and many-small; the transport's chunk size; packing a tensor or reducing it alone")
@@ -511,11 +563,12 @@ def _run_workloads(comm: MPI.Intracomm, args: argparse.Namespace, say: Callable[
         else:
             say("torch-gloo, torch-powersgd: skipped (torch with gloo is not importable on every rank)")
     results["torch_gloo"] = gloo is not None
+    meter = NicMeter(comm, args.nics) if names else None
     try:
         for name in names:
             wl = make_workload(name, args.scale, args.small_count, args.small_size)
             res = bench_workload(comm, wl, args.methods, gloo, torch_unsupported, args.reps, args.warmup,
-                                 args.powersgd_rank, args.powersgd_model_ranks)
+                                 args.powersgd_rank, args.powersgd_model_ranks, meter, args.link_rate)
             results["workloads"][name] = res
             say(format_workload(name, res) + "\n")
     finally:

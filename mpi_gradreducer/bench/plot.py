@@ -1,4 +1,5 @@
-"""The host benchmark's figure: bus bandwidth against message size (``--plot``; needs matplotlib)."""
+"""The host benchmark's figures (need matplotlib): bus bandwidth against message size (``--plot``), and time
+per call against link rate across hosts (``scripts/bench_hosts.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 from .output import size_label
 
-__all__ = ["plot"]
+__all__ = ["plot", "plot_rates"]
 
 
 def plot(path: str, results: dict[str, Any]) -> None:
@@ -53,3 +54,45 @@ def plot(path: str, results: dict[str, Any]) -> None:
     fig.savefig(path)
 
 
+def plot_rates(path: str, summary: dict[str, Any]) -> None:
+    """Time per call against link rate: one line per method, and the wire bound.
+
+    Args:
+        path: the PNG to write (its directory is made).
+        summary: what ``scripts/bench_hosts.py`` collects: ``workload``,
+            ``hosts``, ``ppn``, ``gradient_bytes`` and ``rates``, a list of
+            ``{"link_rate_bps", "wire_bound_ms", "methods": {name: {"median_ms", ...}}}``.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullFormatter
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    rows = sorted(summary["rates"], key=lambda r: r["link_rate_bps"])
+    gbit = [r["link_rate_bps"] / 1e9 for r in rows]
+    methods: list[str] = []
+    for r in rows:
+        methods += [m for m in r["methods"] if m not in methods]
+    markers = "osD^v<>p"
+    for k, name in enumerate(methods):
+        points = [(g, r["methods"][name]["median_ms"]) for g, r in zip(gbit, rows, strict=True) if name in r["methods"]]
+        ax.plot([p[0] for p in points], [p[1] for p in points], markers[k % len(markers)] + "-", alpha=0.85,
+                label=name)
+    ax.plot(gbit, [r["wire_bound_ms"] for r in rows], "--", color="black", linewidth=1.5,
+            label="wire bound: 2(H-1)/H x gradient bytes / rate")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(gbit)
+    ax.set_xticklabels([f"{g:g}" for g in gbit])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("each host's link rate, Gbit/s (tc tbf)")
+    ax.set_ylabel("time per call, ms (median)")
+    ax.set_title(f"{summary['workload']} ({summary['gradient_bytes'] / 1e6:.1f} MB of gradients), "
+                 f"{summary['hosts']} hosts x {summary['ppn']} ranks, MPI over TCP", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from mpi4py import MPI
@@ -22,6 +22,7 @@ from .output import one_line
 
 __all__ = [
     "Case",
+    "Meter",
     "agree",
     "all_close",
     "expected_sum",
@@ -50,7 +51,18 @@ class Case:
     check: Callable[[], bool] | None = None
 
 
-def time_cases(comm: MPI.Intracomm, cases: Sequence[Case], reps: int, warmup: int) -> dict[str, list[float]]:
+class Meter(Protocol):
+    """Something measured around each timed call, outside the timed region (e.g. a :class:`~.network.NicMeter`)."""
+
+    def before(self, index: int) -> None:
+        """Called on every rank after case ``index``'s ``prepare()``, before the barrier that starts its run."""
+
+    def after(self, index: int) -> None:
+        """Called on every rank right after case ``index``'s timed run, before its result is checked."""
+
+
+def time_cases(comm: MPI.Intracomm, cases: Sequence[Case], reps: int, warmup: int,
+               meter: Meter | None = None) -> dict[str, list[float]]:
     """Time ``cases`` interleaved; every rank gets the same answer.
 
     Each repetition runs every case once, starting from case ``rep % len``.
@@ -63,6 +75,10 @@ def time_cases(comm: MPI.Intracomm, cases: Sequence[Case], reps: int, warmup: in
         cases: the methods.
         reps: timed repetitions.
         warmup: untimed repetitions before them.
+        meter: called around each timed (not warm-up) run, by the case's
+            index in ``cases``: ``before`` after ``prepare()`` and before the
+            barrier, ``after`` right after the run (it may hold collectives:
+            every rank calls it at the same point).
 
     Returns:
         For each case, its ``reps`` times in seconds.
@@ -79,10 +95,14 @@ def time_cases(comm: MPI.Intracomm, cases: Sequence[Case], reps: int, warmup: in
             j = (rep + step) % k
             case = cases[j]
             case.prepare()
+            if meter is not None and rep >= 0:
+                meter.before(j)
             comm.Barrier()
             t0 = time.perf_counter()
             case.run()
             elapsed = time.perf_counter() - t0
+            if meter is not None and rep >= 0:
+                meter.after(j)
             if rep >= 0:
                 times[rep, j] = elapsed
             if not checked[j] and case.check is not None:

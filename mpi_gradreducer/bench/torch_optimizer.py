@@ -28,6 +28,10 @@ time is the slowest rank's:
 
 Each method's parameters are checked, after its first step, to be the same
 on every rank. torch runs one thread per rank.
+
+Across hosts, a table of each host's NIC bytes per step follows, and with
+``--link-rate RATE`` the wire bound of the model's gradients (see
+:mod:`mpi_gradreducer.bench.network`).
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .cli import RankParser, add_shared_options, run_as_script, start
+from .cli import RankParser, add_network_options, add_shared_options, run_as_script, start
 from .environment import environment, loadavg
+from .network import NicMeter, figures, format_lines as network_lines
 from .output import write_json
 from .timing import Case, time_cases
 from .torch_methods import Gloo, gloo_usable
@@ -67,8 +72,12 @@ def _same_everywhere(comm: MPI.Intracomm, model: Any) -> Callable[[], bool]:
 
 
 def bench_step(comm: MPI.Intracomm, layers: int, width: int, batch: int, methods: Sequence[str], reps: int,
-               warmup: int) -> dict[str, Any]:
+               warmup: int, meter: NicMeter | None = None, link_rate: float | None = None) -> dict[str, Any]:
     """Time one training step per method, interleaved (collective).
+
+    With ``meter``, the results also hold ``network`` (:func:`.network.figures`:
+    each host's NIC bytes per step and, with ``link_rate`` in bits per
+    second, the wire bound of the model's gradients).
 
     Returns:
         The model's facts, each method's ``median_ms``/``min_ms``/``times_ms``
@@ -134,7 +143,8 @@ def bench_step(comm: MPI.Intracomm, layers: int, width: int, batch: int, methods
                                        progress=progress)
             closers.append(opt.free)
             cases.append(Case(name, nothing, step_of(model, opt), _same_everywhere(comm, model)))
-        times = time_cases(comm, cases, reps, warmup)
+        times = time_cases(comm, cases, reps, warmup, meter)
+        sent = meter.per_call([c.name for c in cases]) if meter is not None else {}
     finally:
         for close in reversed(closers):
             close()
@@ -147,6 +157,8 @@ def bench_step(comm: MPI.Intracomm, layers: int, width: int, batch: int, methods
                     for name, t in times.items()},
         "skipped": skipped,
     }
+    if meter is not None:
+        out["network"] = figures(meter.hosts, nbytes, link_rate, {name: m * 1e3 for name, m in med.items()}, sent)
     for key, (a, b) in {"optimizer_over_ddp": ("optimizer", "ddp-gloo"),
                         "overlap_over_ddp": ("optimizer-overlap", "ddp-gloo"),
                         "overlap_over_optimizer": ("optimizer-overlap", "optimizer")}.items():
@@ -166,6 +178,8 @@ def format_step(res: dict[str, Any]) -> str:
     labels = {"optimizer_over_ddp": "optimizer / ddp-gloo", "overlap_over_ddp": "optimizer-overlap / ddp-gloo",
               "overlap_over_optimizer": "optimizer-overlap / optimizer"}
     lines.extend(f"  {label} = {res[key]:.2f}" for key, label in labels.items() if key in res)
+    if "network" in res:
+        lines.extend(network_lines(res["network"]))
     return "\n".join(lines)
 
 
@@ -178,6 +192,7 @@ def _parser(rank: int = 0) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS), help="default: all")
     add_shared_options(p, reps=7)
+    add_network_options(p)
     p.add_argument("--json", metavar="PATH", help="write the results and the environment to PATH")
     return p
 
@@ -206,7 +221,7 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
     try:
         results: dict[str, Any] = {"environment": environment(comm, "mpi_gradreducer.bench torch-optimizer", argv)}
         results["step"] = bench_step(comm, args.layers, args.width, args.batch, args.methods, args.reps,
-                                     args.warmup)
+                                     args.warmup, NicMeter(comm, args.nics), args.link_rate)
         results["environment"]["loadavg_at_end"] = loadavg()
         say(format_step(results["step"]))
         if args.json and comm.Get_rank() == 0:
