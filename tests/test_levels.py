@@ -124,3 +124,26 @@ def test_reducer_means_are_the_same_bits_however_called(hosts: Hosts):
             np.testing.assert_array_equal(a, b)
     rows = [np.concatenate([r.ravel() for r in results[0]])]
     assert all(np.array_equal(rows[0], r) for r in WORLD.allgather(rows[0])), "the ranks disagree"
+
+
+@pytest.mark.parametrize("members", ["all", "first three", "even ranks"])
+def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: str):
+    """Decided from the processor names of the communicator's ranks: the same answer on every rank."""
+    from mpi_gradreducer import create_group
+    from mpi_gradreducer.groups import processor_names
+
+    size = WORLD.Get_size()
+    ranks = {"all": range(size), "first three": range(min(3, size)), "even ranks": range(0, size, 2)}[members]
+    comm = create_group(list(ranks), WORLD)
+    if comm is None:
+        return  # not a member; the members' check below needs nothing of this rank
+    try:
+        names = processor_names(comm)
+        per_host = {n: names.count(n) for n in names}
+        expected = len(set(per_host.values())) == 1 and 1 < names.count(names[0]) < comm.Get_size()
+        hosts = Hosts(comm)
+        assert (hosts.two_levels, hosts.count) == (expected, len(per_host))
+        assert hosts.ranks_per_host == (names.count(names[0]) if len(set(per_host.values())) == 1 else None)
+        hosts.free()
+    finally:
+        comm.Free()
