@@ -21,6 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer, backend, reducer as reducer_module, transport
+from ..hosts import Hosts
 from .environment import huge_pages
 from .limit import chunked_allreduce, limit_cases
 from .output import KIB, MIB, size_label
@@ -99,9 +100,10 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
     """The in-place transport at each of SWEEP_CHUNKS on the workload's tensors of >= DIRECT_BYTES.
 
     This is what the reducer does with those tensors: ``transport.allreduce``
-    over each, chunked, each chunk multiplied by ``1 / size`` right after its
-    Allreduce. The same without the multiplication ("sum") shows what the
-    mean costs.
+    over each, chunked, a mean's large chunks summed by the reducer's summer
+    (:class:`~mpi_gradreducer.hosts.Hosts`: two levels across hosts), each
+    chunk multiplied by ``1 / size`` while in cache. The same without the
+    multiplication ("sum": one Allreduce a chunk) shows what the mean costs.
     """
     size = comm.Get_size()
     value = fill_value(comm)
@@ -109,9 +111,12 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
     big = [g for g in wl.arrays() if g.nbytes >= reducer_module.DIRECT_BYTES and g.dtype == np.float32]
     flats = [g.reshape(-1) for g in big]
 
+    hosts = Hosts(comm)
+    summers = {c: hosts.ordered_sum(np.float32, c) for c in SWEEP_CHUNKS}
+
     def run(chunk: int, scale: float) -> None:
         for f in flats:
-            transport.allreduce(comm, f, scale, chunk_bytes=chunk)
+            transport.allreduce(comm, f, scale, chunk_bytes=chunk, ordered=summers[chunk])
 
     cases = []
     for c in SWEEP_CHUNKS:
@@ -119,6 +124,7 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
             cases.append(Case(f"{kind}@{size_label(c)}", filler(flats, value),
                               partial(run, c, scale), partial(all_close, flats, total * scale)))
     times = time_cases(comm, cases, reps, warmup)
+    hosts.free()
     nbytes = sum(f.nbytes for f in flats)
     rows = []
     for c in SWEEP_CHUNKS:
