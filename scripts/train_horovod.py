@@ -38,7 +38,8 @@ from torch import nn
 
 import mpi_gradreducer.horovod as hvd  # was: import horovod.torch as hvd
 
-CASES = {"plain": {}, "passes2": {"backward_passes_per_step": 2}, "predivide2": {"gradient_predivide_factor": 2.0}}
+CASES: dict[str, dict[str, Any]] = {"plain": {}, "passes2": {"backward_passes_per_step": 2},
+                                    "predivide2": {"gradient_predivide_factor": 2.0}}
 
 
 class Net(nn.Module):
@@ -78,8 +79,8 @@ def metric_average(val: float, name: str) -> float:
 
 def test(model: nn.Module, test_dataset: Any, args: argparse.Namespace) -> float:
     """Test accuracy, each rank on its share of the test set, averaged over the ranks."""
-    sampler = torch.utils.data.distributed.DistributedSampler(test_dataset, num_replicas=hvd.size(),
-                                                              rank=hvd.rank(), shuffle=False)
+    sampler: Any = torch.utils.data.distributed.DistributedSampler(test_dataset, num_replicas=hvd.size(),
+                                                                   rank=hvd.rank(), shuffle=False)
     loader = torch.utils.data.DataLoader(test_dataset, batch_size=args.test_batch_size, sampler=sampler)
     model.eval()
     correct = 0.0
@@ -93,8 +94,8 @@ def test(model: nn.Module, test_dataset: Any, args: argparse.Namespace) -> float
 def run_steps(model: nn.Module, optimizer: Any, train_dataset: Any, args: argparse.Namespace, passes: int,
               no_sync: Any = None, on_step: Any = None) -> None:
     """Train for ``args.epochs`` epochs; each batch in ``passes`` backward passes (the loss divided by it)."""
-    sampler = torch.utils.data.distributed.DistributedSampler(train_dataset, num_replicas=hvd.size(),
-                                                              rank=hvd.rank(), seed=args.seed)
+    sampler: Any = torch.utils.data.distributed.DistributedSampler(train_dataset, num_replicas=hvd.size(),
+                                                                   rank=hvd.rank(), seed=args.seed)
     loader = torch.utils.data.DataLoader(train_dataset, batch_size=args.batch_size * passes, sampler=sampler,
                                          drop_last=True)
     step = 0
@@ -128,7 +129,7 @@ def train_horovod(args: argparse.Namespace, train_dataset: Any, options: dict[st
     """Horovod's recipe."""
     model = make_model(args)
     lr_scaler = hvd.size()
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
+    optimizer: Any = torch.optim.SGD(model.parameters(), lr=args.lr * lr_scaler, momentum=args.momentum)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
