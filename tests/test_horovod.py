@@ -89,12 +89,21 @@ def test_topology_and_built(hvd):
 
 
 @pytest.mark.mpi(min_size=1)
-def test_calls_before_init_raise_and_init_again(hvd):
+def test_calls_before_init_raise_and_init_again(hvd, torch):
     hvd.shutdown()
     assert not hvd.is_initialized()
     for call in (hvd.size, hvd.rank, hvd.local_rank, hvd.barrier, lambda: hvd.allreduce(np.zeros(1))):
         with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
             call()
+    if SIZE > 1:  # the listed ranks only: the last rank is left out, and told so
+        if RANK == LAST:
+            with pytest.raises(ValueError, match=rf"rank {LAST} of MPI.COMM_WORLD is not in comm"):
+                hvd.init(list(range(LAST)))
+        else:
+            hvd.init(list(range(LAST)))
+            assert (hvd.size(), hvd.rank(), hvd.local_size()) == (LAST, RANK, LAST)
+            assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [LAST]
+            hvd.shutdown()
     hvd.init(WORLD)
     hvd.init()  # a second init does nothing, as in Horovod
     assert hvd.size() == SIZE
@@ -415,7 +424,8 @@ def test_optimizer_fp16_groups_and_passes(hvd, torch):
 
 
 @pytest.mark.mpi(min_size=4)
-def test_optimizer_misuse_raises_on_every_rank(hvd, torch):
+@pytest.mark.parametrize("progress", ["deferred", "thread"])
+def test_optimizer_misuse_raises_on_every_rank(hvd, torch, progress):
     net = _net(torch, seed=0)
     here = RANK == LAST
     named = list(net.named_parameters())
@@ -436,7 +446,11 @@ def test_optimizer_misuse_raises_on_every_rank(hvd, torch):
     with pytest.raises(ValueError, match=r"rank 0: DistributedOptimizer: gradient_predivide_factor=2.0 is not "
                                          r"supported with op != Average"):
         hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=named)
+    with pytest.raises(TypeError, match=r"rank 0: DistributedOptimizer: mean: set by Horovod's arguments"):
+        hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mean=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), named_parameters=named,
+                                   progress=progress)
+    assert opt.reducer.progress == progress
     before = [p.detach().clone() for p in net.parameters()]
     opt.zero_grad()
     _backward(torch, net)

@@ -56,6 +56,10 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         sparse_as_dense: sparse gradients are made dense before the reduction
             (and stay dense); without it a sparse gradient is refused.
         process_set: only ``global_process_set``.
+        **reducer_options: not Horovod's: any option of
+            :class:`mpi_gradreducer.torch.DistributedOptimizer` that the
+            arguments above do not set (``progress``, ``bucket_bytes``,
+            ``timeout``, ``timeline``, ...).
 
     Raises:
         ValueError, TypeError, NotImplementedError: on every rank, for a bad
@@ -66,7 +70,7 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: Any = global_process_set) -> None:
+                 sparse_as_dense: bool = False, process_set: Any = global_process_set, **reducer_options: Any) -> None:
         comm = current("hvd.DistributedOptimizer(...)").comm
         error: BaseException | None = None
         options: dict[str, Any] = {}
@@ -78,6 +82,12 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                     groups = num_groups
             options, names = _options(optimizer, named_parameters, compression, op, gradient_predivide_factor,
                                       groups, process_set)
+            taken = sorted(set(reducer_options) & {"mean", "compression", "predivide", "fusion", "fusion_type",
+                                                   "split_indices", "group"})
+            if taken:
+                raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
+                                "gradient_predivide_factor, groups); not accepted as reducer options")
+            options.update(reducer_options)
         except (TypeError, ValueError, NotImplementedError) as exc:
             error = exc
         raise_everywhere(comm, error)
