@@ -345,6 +345,9 @@ def test_unsupported_names_raise(hvd, torch):
         with pytest.raises(NotImplementedError, match=pattern):
             call()
     assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    for framework in ("keras", "tensorflow", "mxnet"):
+        with pytest.raises(ImportError, match=rf"horovod.{framework} has no equivalent here"):
+            importlib.import_module(f"mpi_gradreducer.horovod.{framework}")
 
 
 # -- functions and the optimizer (4 ranks) --------------------------------------------------------------
