@@ -256,6 +256,56 @@ def test_reducescatter(hvd, torch, op):
     assert torch.equal(hvd.grouped_reducescatter([tensor], op=getattr(hvd, op), **scale)[0], result)
 
 
+# -- gradients through the collectives ----------------------------------------------------------------------
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gradients_through_collectives(hvd, torch):
+    """Each input's gradient, against numpy: Horovod's backward functions (allgather's averages, as Horovod's)."""
+    weights = [data(r, (SIZE + 1, 2), seed=11) for r in range(SIZE)]  # rank r's loss: sum(output * weights[r])
+
+    x = torch.from_numpy(data(RANK, (3, 2), seed=12)).requires_grad_()
+    y = hvd.allreduce(x, op=hvd.Average, prescale_factor=2.0, postscale_factor=0.5)
+    (y * torch.from_numpy(weights[RANK][:3])).sum().backward()
+    np.testing.assert_allclose(x.grad.numpy(), sum(w[:3] for w in weights) / SIZE, rtol=1e-12)
+
+    parts = [torch.from_numpy(data(RANK, s, seed=13)).requires_grad_() for s in ((2,), (1, 2))]
+    outs = hvd.grouped_allreduce(parts, op=hvd.Sum)
+    (outs[0].sum() * (RANK + 1) + outs[1].sum()).backward()
+    assert parts[0].grad.tolist() == [SIZE * (SIZE + 1) / 2] * 2 and parts[1].grad.tolist() == [[SIZE, SIZE]]
+
+    rows = 1 + RANK % 2
+    counts = [1 + r % 2 for r in range(SIZE)]
+    x = torch.from_numpy(data(RANK, (rows, 2), seed=14)).requires_grad_()
+    gathered = hvd.allgather(x)
+    big = [data(r, (sum(counts), 2), seed=15) for r in range(SIZE)]
+    (gathered * torch.from_numpy(big[RANK])).sum().backward()
+    start = sum(counts[:RANK])
+    np.testing.assert_allclose(x.grad.numpy(), sum(big)[start:start + rows] / SIZE, rtol=1e-12)
+
+    x = torch.from_numpy(data(RANK, (SIZE + 1, 2), seed=16)).requires_grad_()
+    (hvd.broadcast(x, root_rank=LAST) * torch.from_numpy(weights[RANK])).sum().backward()
+    expected = sum(weights) / SIZE if RANK == LAST else np.zeros((SIZE + 1, 2))
+    np.testing.assert_allclose(x.grad.numpy(), expected, rtol=1e-12)
+
+    splits = _splits(RANK)
+    x = torch.from_numpy(data(RANK, (sum(splits), 2), seed=17)).requires_grad_()
+    out, received = hvd.alltoall(x, splits=splits)
+    assert not received.requires_grad
+    received_rows = [sum(_splits(s)[d] for s in range(SIZE)) for d in range(SIZE)]
+    grads = [data(d, (received_rows[d], 2), seed=18) for d in range(SIZE)]
+    (out * torch.from_numpy(grads[RANK])).sum().backward()
+    expected_rows = []
+    for d in range(SIZE):  # my rows sent to d come back from d's gradient, at my place among its sources
+        start = sum(_splits(s)[d] for s in range(RANK))
+        expected_rows.append(grads[d][start:start + splits[d]])
+    np.testing.assert_allclose(x.grad.numpy(), np.concatenate(expected_rows), rtol=1e-12)
+
+    x = torch.ones(2, requires_grad=True)
+    with torch.no_grad():  # not recorded: the same calls, no graph
+        assert not hvd.allreduce(x).requires_grad
+
+
 # -- join, barrier, objects -----------------------------------------------------------------------------
 
 
@@ -529,3 +579,4 @@ def test_migration_table_lists_every_name():
     assert table["Adasum"] == "supported with a difference"
     assert set(table.values()) <= {"supported", "supported with a difference", "not supported"}
     assert all(hasattr(module, name) for name in module.__all__)
+

@@ -211,6 +211,33 @@ def _reduce(comm: MPI.Intracomm, arr: np.ndarray, op: int, pre: float, post: flo
         np.multiply(arr, scale, out=arr, casting="unsafe")
 
 
+class _Collective(torch.autograd.Function):
+    """A collective as an autograd function: ``run()`` makes the outputs, ``back(*grads)`` the inputs' gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, run: Any, back: Any, *inputs: torch.Tensor) -> Any:
+        ctx.back = back
+        out = run()
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.mark_non_differentiable(*(o for o in outs if not (o.is_floating_point() or o.is_complex())))
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        return (None, None, *ctx.back(*grads))
+
+
+def _differentiable(run: Any, back: Any, inputs: Sequence[Any]) -> Any:
+    """``run()``, recorded by autograd (``back`` computes the inputs' gradients, collectively) when it must be.
+
+    Whether it is recorded changes nothing in what is sent: every rank makes
+    the same calls either way.
+    """
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _Collective.apply(run, back, *inputs)
+    return run()
+
+
 class Handle:
     """A finished operation: :func:`synchronize` returns its result, :func:`poll` is True."""
 
@@ -317,12 +344,21 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               postscale_factor: float = 1.0, process_set: Any = global_process_set) -> torch.Tensor:
     """Reduce ``tensor`` over the ranks into a new tensor (collective); as :func:`allreduce_async`.
 
+    Differentiable, as in Horovod: the gradient is the allreduce of the
+    outputs' gradients with the same op and factors.
+
     Args:
         compression: ``Compression.none`` or ``Compression.fp16`` (floating
             tensors travel as float16; the result has the tensor's dtype).
     """
-    return _allreduce("allreduce", [tensor], average, name, op, prescale_factor,
-                      postscale_factor, process_set, compression, single=True)[0]
+    def run() -> torch.Tensor:
+        return _allreduce("allreduce", [tensor], average, name, op, prescale_factor, postscale_factor, process_set,
+                          compression, single=True)[0]
+
+    def back(grad: torch.Tensor) -> list[torch.Tensor]:
+        return [allreduce(grad, average, None, Compression.none, op, prescale_factor, postscale_factor)]
+
+    return _differentiable(run, back, [tensor])
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None, op: Any = None,
@@ -352,9 +388,15 @@ def grouped_allreduce_async(tensors: list[torch.Tensor], average: bool | None = 
 def grouped_allreduce(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Any = Compression.none, op: Any = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """Reduce a list of tensors into new tensors (collective)."""
-    return _allreduce("grouped_allreduce", tensors, average, name, op, prescale_factor, postscale_factor,
-                      process_set, compression)
+    """Reduce a list of tensors into new tensors (collective); differentiable as :func:`allreduce`."""
+    def run() -> tuple[torch.Tensor, ...]:
+        return tuple(_allreduce("grouped_allreduce", tensors, average, name, op, prescale_factor, postscale_factor,
+                                process_set, compression))
+
+    def back(*grads: torch.Tensor) -> list[torch.Tensor]:
+        return grouped_allreduce(list(grads), average, None, Compression.none, op, prescale_factor, postscale_factor)
+
+    return list(_differentiable(run, back, tensors if isinstance(tensors, Sequence) else []))
 
 
 def grouped_allreduce_async_(tensors: list[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -376,7 +418,7 @@ def grouped_allreduce_(tensors: list[torch.Tensor], average: bool | None = None,
 # -- allgather, broadcast, alltoall, reducescatter -----------------------------------------------------
 
 
-def _allgather(what: str, tensor: Any, name: Any, process_set: Any) -> torch.Tensor:
+def _allgather(what: str, tensor: Any, name: Any, process_set: Any) -> tuple[torch.Tensor, list[int]]:
     def check() -> Call:
         _common(what, name, process_set)
         t = _tensor(what, tensor)
@@ -390,26 +432,39 @@ def _allgather(what: str, tensor: Any, name: Any, process_set: Any) -> torch.Ten
     row_bytes = int(np.prod(tail, dtype=np.int64)) * tensor.element_size()
     recv = np.empty(sum(firsts) * row_bytes, dtype=np.uint8)
     comm.Allgatherv(_bytes(tensor), [recv, [f * row_bytes for f in firsts]])
-    return _from_bytes(recv, tensor, (sum(firsts), *tail))
+    return _from_bytes(recv, tensor, (sum(firsts), *tail)), firsts
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> torch.Tensor:
     """Every rank's tensor, concatenated along the first dimension in rank order (collective).
 
-    The first dimension may differ between ranks; the others and the dtype may not.
+    The first dimension may differ between ranks; the others and the dtype
+    may not. Differentiable, as in Horovod: this rank's rows of the average
+    of every rank's gradient.
     """
-    return _allgather("allgather", tensor, name, process_set)
+    firsts: list[int] = []
+
+    def run() -> torch.Tensor:
+        out, counts = _allgather("allgather", tensor, name, process_set)
+        firsts.extend(counts)
+        return out
+
+    def back(grad: torch.Tensor) -> list[torch.Tensor]:
+        me = current("allgather").comm.Get_rank()
+        return [allreduce(grad, op=Average).narrow(0, sum(firsts[:me]), firsts[me])]
+
+    return _differentiable(run, back, [tensor])
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set) -> Handle:
     """:func:`allgather`, as a handle."""
-    return Handle(_allgather("allgather_async", tensor, name, process_set))
+    return Handle(_allgather("allgather_async", tensor, name, process_set)[0])
 
 
 def grouped_allgather(tensors: list[torch.Tensor], name: str | None = None,
                       process_set: Any = global_process_set) -> list[torch.Tensor]:
-    """:func:`allgather` of each tensor, in order."""
-    return [_allgather("grouped_allgather", t, name, process_set) for t in tensors]
+    """:func:`allgather` of each tensor, in order (differentiable as it)."""
+    return [allgather(t, name, process_set) for t in tensors]
 
 
 def grouped_allgather_async(tensors: list[torch.Tensor], name: str | None = None,
@@ -439,8 +494,19 @@ def _broadcast(what: str, tensor: Any, root_rank: Any, name: Any, process_set: A
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """Rank ``root_rank``'s tensor, as a new tensor on every rank (collective)."""
-    return _broadcast("broadcast", tensor, root_rank, name, process_set, False)
+    """Rank ``root_rank``'s tensor, as a new tensor on every rank (collective).
+
+    Differentiable, as in Horovod: the root's gradient is the average of
+    every rank's, the others' is zero.
+    """
+    def run() -> torch.Tensor:
+        return _broadcast("broadcast", tensor, root_rank, name, process_set, False)
+
+    def back(grad: torch.Tensor) -> list[torch.Tensor]:
+        averaged = allreduce(grad, op=Average)
+        return [averaged if current("broadcast").comm.Get_rank() == root_rank else averaged * 0]
+
+    return _differentiable(run, back, [tensor])
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -518,8 +584,23 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
         Without ``splits``: the received rows, in rank order. With
         ``splits`` (as Horovod 0.28): ``(rows, received_splits)``, the
         second an int32 tensor of how many rows came from each rank.
+        Differentiable, as in Horovod: the gradient travels back by the
+        received splits.
     """
-    return _alltoall("alltoall", tensor, splits, name, process_set)
+    received: list[torch.Tensor] = []
+
+    def run() -> Any:
+        out = _alltoall("alltoall", tensor, splits, name, process_set)
+        if isinstance(out, tuple):
+            received.append(out[1])
+        return out
+
+    def back(grad: torch.Tensor, *ignored: Any) -> list[torch.Tensor]:
+        if received:
+            return [alltoall(grad, splits=received[0])[0]]
+        return [alltoall(grad)]
+
+    return _differentiable(run, back, [tensor])
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
