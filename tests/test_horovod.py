@@ -169,9 +169,21 @@ def test_allreduce_fp16_compression(hvd, torch):
     tensor = torch.from_numpy(data(RANK, shape, seed=7)).float()
     result = hvd.allreduce(tensor, compression=hvd.Compression.fp16)
     assert result.dtype == torch.float32
-    wire = np.stack([data(r, shape, seed=7).astype(np.float32).astype(np.float16) for r in range(SIZE)])
-    expected = (wire.astype(np.float64).sum(0) / SIZE).astype(np.float16).astype(np.float32)
-    np.testing.assert_allclose(result.numpy(), expected, rtol=2e-3, atol=2e-3)
+    wire = [data(r, shape, seed=7).astype(np.float32).astype(np.float16) for r in range(SIZE)]
+    total = np.zeros(shape, np.float32)
+    for w in wire:  # float16 on the wire, summed in float32 in rank order, scaled, rounded once
+        total += w.astype(np.float32)
+    expected = (total * np.float32(1 / SIZE)).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(result.numpy(), expected)
+    half = torch.from_numpy(data(RANK, shape, seed=8)).half()  # float16 tensors: summed the same way, with Max too
+    scaled = hvd.allreduce(half, op=hvd.Sum, prescale_factor=0.5)
+    total = np.zeros(shape, np.float32)
+    for r in range(SIZE):
+        total += (data(r, shape, seed=8).astype(np.float16).astype(np.float32) * np.float32(0.5)).astype(np.float16)
+    np.testing.assert_array_equal(scaled.numpy(), total.astype(np.float16))
+    largest = np.max([data(r, shape, seed=8).astype(np.float16) for r in range(SIZE)], axis=0)
+    np.testing.assert_array_equal(hvd.allreduce(half, op=hvd.Max).numpy(), largest)
+    assert hvd.allreduce(torch.zeros(0, dtype=torch.float16)).shape == (0,)
     assert not np.array_equal(result.numpy(), every(shape, seed=7).mean(0).astype(np.float32))  # it did compress
     assert_same_on_all_ranks(WORLD, [result.numpy()])
 

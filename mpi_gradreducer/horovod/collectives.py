@@ -10,9 +10,14 @@ Then the data moves with one MPI call per tensor. Operations complete
 before they return: the ``*_async`` variants return a finished
 :class:`Handle` (``poll`` is True), so ``synchronize`` never waits.
 
-Tensors travel through host memory (CUDA tensors are copied); float16 and
-bfloat16 are reduced in float32 and rounded once. Data-moving collectives
-(allgather, broadcast, alltoall) send raw bytes, so any dtype travels.
+Tensors travel through host memory (CUDA tensors are copied). float16
+tensors (what ``Compression.fp16`` makes) travel as float16 in sums and
+averages, summed in float32 in rank order and rounded once (the package's
+``compressed_allreduce``); bfloat16, and float16 under Min, Max or Product,
+are reduced in float32. Data-moving collectives (allgather, broadcast,
+alltoall) send raw bytes, so any dtype travels. The out-of-place
+collectives but reducescatter are differentiable, with Horovod's backward
+functions.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from ..compression import compressed_allreduce, half_format
 from .context import current
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import check_global, global_process_set
@@ -40,7 +46,6 @@ __all__ = ["Handle", "allreduce", "allreduce_", "allreduce_async", "allreduce_as
 _MPI_OPS = {Average: MPI.SUM, Sum: MPI.SUM, ReduceOp.Min: MPI.MIN, ReduceOp.Max: MPI.MAX, ReduceOp.Product: MPI.PROD}
 _ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (ValueError, TypeError, RuntimeError,
                                                                  NotImplementedError)}
-_HALF = (torch.float16, torch.bfloat16)
 #: Kinds whose first dimension may differ between ranks.
 _RAGGED = ("allgather", "alltoall")
 
@@ -176,17 +181,16 @@ def _entry(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
 # -- moving data ------------------------------------------------------------------------------------
 
 
-def _numeric(t: torch.Tensor) -> np.ndarray:
-    """A private contiguous host copy of ``t`` for arithmetic (16-bit floats widened to float32)."""
+def _numeric(t: torch.Tensor, op: int) -> np.ndarray:
+    """A private 1-D host copy of ``t`` to reduce with ``op`` (bfloat16, and float16 but in sums, as float32)."""
     t = t.detach()
-    if t.dtype in _HALF:
+    if t.dtype == torch.bfloat16 or t.dtype == torch.float16 and op not in (Average, Sum):
         t = t.float()
     return np.array(t.cpu().numpy(), copy=True).reshape(-1)
 
 
-def _zeros(dtype_name: str, shape: tuple[int, ...]) -> np.ndarray:
-    dtype = getattr(torch, dtype_name)
-    return _numeric(torch.zeros(shape, dtype=dtype))
+def _zeros(dtype_name: str, shape: tuple[int, ...], op: int) -> np.ndarray:
+    return _numeric(torch.zeros(shape, dtype=getattr(torch, dtype_name)), op)
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -203,6 +207,12 @@ def _from_bytes(buf: np.ndarray, like: torch.Tensor, shape: Sequence[int]) -> to
 
 def _reduce(comm: MPI.Intracomm, arr: np.ndarray, op: int, pre: float, post: float) -> None:
     """Reduce ``arr`` in place over ``comm``: Horovod's ``post * op(pre * x)`` (Average: sum / size)."""
+    if arr.dtype == np.float16:  # a sum (see _numeric): on the wire as float16, added in float32, rounded once
+        if pre != 1.0:
+            np.multiply(arr, pre, out=arr, dtype=np.float32, casting="unsafe")
+        compressed_allreduce(comm, arr, half_format(np.float16), scale=post / comm.Get_size() if op == Average
+                             else post)
+        return
     if pre != 1.0:
         np.multiply(arr, pre, out=arr, casting="unsafe")
     comm.Allreduce(MPI.IN_PLACE, arr, op=_MPI_OPS[ReduceOp(op)])
@@ -306,7 +316,7 @@ def _allreduce(what: str, tensors: Any, average: bool | None, name: Any, op: Any
     comm, _, call = _agree(what, check)
     out = []
     for t, ctx in zip(sent, contexts, strict=True):
-        arr = _numeric(t)
+        arr = _numeric(t, call.op)
         _reduce(comm, arr, call.op, *factors)
         out.append(compression.decompress(torch.from_numpy(arr).reshape(t.shape).to(t.dtype).to(t.device), ctx))
     if inplace:
@@ -640,7 +650,7 @@ def _reducescatter(what: str, tensor: Any, name: Any, compression: Any, op: Any,
     sent: torch.Tensor = state["sent"]
     pre, post = state["factors"]
     size, me = comm.Get_size(), comm.Get_rank()
-    arr = _numeric(sent)
+    arr = _numeric(sent, ReduceOp.Max)  # float32 for 16-bit floats: Reduce_scatter sums natively
     row = int(np.prod(sent.shape[1:], dtype=np.int64))
     counts = [_rows_of(sent.shape[0], size, r) * row for r in range(size)]
     if pre != 1.0:
@@ -715,7 +725,7 @@ def join(device: int = -1) -> int:
             last = min(row[1] for row in rows)
             return max(r for r, row in enumerate(rows) if row[1] == last)
         for dtype, shape in call.tensors:
-            _reduce(comm, _zeros(dtype, shape), call.op, 1.0, 1.0)
+            _reduce(comm, _zeros(dtype, shape, call.op), call.op, 1.0, 1.0)
         rounds += 1
 
 
