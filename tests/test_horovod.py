@@ -247,7 +247,7 @@ def test_alltoall_with_splits(hvd, torch):
     assert received.dtype == torch.int32 and received.tolist() == [_splits(s)[RANK] for s in range(SIZE)]
     equal = hvd.alltoall(torch.full((SIZE, 2), RANK))  # no splits: equal parts, the tensor only (Horovod 0.28)
     assert isinstance(equal, torch.Tensor) and equal[:, 0].tolist() == list(range(SIZE))
-    out2, received2 = hvd.synchronize(hvd.alltoall_async(tensor, splits=_splits(RANK)))
+    out2, received2 = hvd.synchronize(hvd.alltoall_async(tensor, splits=np.array(_splits(RANK))))
     assert torch.equal(out2, out) and received2.tolist() == received.tolist()
 
 
@@ -387,6 +387,16 @@ def test_bad_input_on_one_rank_raises_on_every_rank(hvd, torch):
                       lambda: hvd.allreduce(torch.zeros(1), op=hvd.Sum, average=True))
     expect_everywhere(ValueError, rf"rank {LAST}: reducescatter: prescale_factor: expected a finite number",
                       lambda: hvd.reducescatter(torch.zeros(SIZE), prescale_factor=float("nan") if here else 1.0))
+
+    class Broken(hvd.Compression.none):  # a compressor that fails on one rank, with an error of its own
+        @staticmethod
+        def compress(tensor):
+            if here:
+                raise ArithmeticError("broken compressor")
+            return tensor, None
+
+    expect_everywhere(RuntimeError, rf"rank {LAST}: broken compressor",
+                      lambda: hvd.allreduce(torch.zeros(1), compression=Broken))
 
 
 @pytest.mark.mpi(min_size=1)

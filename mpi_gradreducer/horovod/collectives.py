@@ -62,7 +62,9 @@ def exchange(comm: MPI.Intracomm, row: tuple[Any, ...]) -> list[tuple[Any, ...]]
 
     Raises:
         ValueError, TypeError, RuntimeError or NotImplementedError: as the
-            lowest rank with an ``"error"`` row raised, naming it.
+            lowest rank with an ``"error"`` row raised, naming it (any other
+            exception becomes a ``RuntimeError`` with its message, on that
+            rank too: every rank raises the same).
     """
     rows = comm.allgather(row)
     for r, other in enumerate(rows):
@@ -129,7 +131,7 @@ def _agree(what: str, check: Any) -> tuple[MPI.Intracomm, list[tuple[Any, ...]],
     comm = current(what).comm
     try:
         row: tuple[Any, ...] = ("call", check())
-    except (TypeError, ValueError, NotImplementedError) as exc:
+    except Exception as exc:  # anything (a user's compressor too): raised on every rank, never on one alone
         row = _error_row(exc)
     rows = exchange(comm, row)
     ref, _ = _verdict(rows)
@@ -550,7 +552,7 @@ def _alltoall(what: str, tensor: Any, splits: Any, name: Any, process_set: Any) 
                                  f"of ranks ({size}), got shape {tuple(t.shape)}")
             mine = [t.shape[0] // size] * size
         else:
-            raw = splits.tolist() if isinstance(splits, torch.Tensor) else splits
+            raw = splits.tolist() if isinstance(splits, (torch.Tensor, np.ndarray)) else splits
             if not isinstance(raw, (list, tuple)) or len(raw) != size or \
                     any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in raw):
                 raise ValueError(f"{what}: splits: expected {size} non-negative ints (one per rank), got {splits!r}")

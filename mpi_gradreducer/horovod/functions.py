@@ -52,7 +52,7 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
                 raise TypeError(f"{what}: params[{key if key is not None else i!r}]: expected a torch.Tensor, got "
                                 f"{type(t).__name__}")
             tensors.append(t)
-    except (TypeError, ValueError) as exc:
+    except Exception as exc:  # e.g. a generator that raises: on every rank, never on one alone
         error = exc
     raise_everywhere(comm, error)
     mgr_torch.broadcast_parameters(tensors, root=int(root_rank), group=comm)

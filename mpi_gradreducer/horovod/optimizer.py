@@ -88,7 +88,7 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
                                 "gradient_predivide_factor, groups); not accepted as reducer options")
             options.update(reducer_options)
-        except (TypeError, ValueError, NotImplementedError) as exc:
+        except Exception as exc:  # raised on every rank, never on one alone
             error = exc
         raise_everywhere(comm, error)
         self._densify_hooks = [p.register_post_accumulate_grad_hook(_densify) for p in _params(optimizer)] \
