@@ -499,6 +499,26 @@ def test_optimizer_fp16_groups_and_passes(hvd, torch):
 
 
 @pytest.mark.mpi(min_size=4)
+def test_optimizer_sparse_as_dense(hvd, torch):
+    torch.manual_seed(0)
+    embedding = torch.nn.Embedding(6, 3, sparse=True).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1), sparse_as_dense=True)
+    embedding(torch.tensor([RANK % 6, 5])).sum().backward()
+    opt.step()
+    expected = np.zeros((6, 3))
+    for r in range(SIZE):
+        expected[[r % 6, 5]] += 1.0 / SIZE
+    np.testing.assert_allclose(embedding.weight.grad.numpy(), expected, rtol=1e-15)
+    opt.free()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1))
+    opt.zero_grad()
+    embedding(torch.tensor([0])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"rank 0: .*its gradient is torch.sparse_coo; only dense gradients"):
+        opt.step()
+    opt.free()
+
+
+@pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("progress", ["deferred", "thread"])
 def test_optimizer_misuse_raises_on_every_rank(hvd, torch, progress):
     net = _net(torch, seed=0)
