@@ -62,8 +62,9 @@ MISUSES = (
     "a gradient was written after its hook fired (it had been handed to the reduction)",
     "the optimizer's parameters changed after DistributedOptimizer was made",
     "a gradient is not a dense (strided) tensor",
+    "zero_grad() was called after backward() and before step() or synchronize()",
 )
-_NO_BACKWARD, _WRITTEN, _CHANGED, _NOT_DENSE = range(len(MISUSES))
+_NO_BACKWARD, _WRITTEN, _CHANGED, _NOT_DENSE, _ZERO_GRAD = range(len(MISUSES))
 #: dtypes named in the cross-rank comparison of models, by code (anything else: "other").
 _DTYPES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "uint8", "int16",
            "int32", "int64", "bool")

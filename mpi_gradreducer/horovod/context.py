@@ -1,0 +1,221 @@
+"""Horovod's set-up and topology: ``init``/``shutdown`` and who is where, held in one context object.
+
+Everything Horovod keeps in its C++ core's global state lives here in one
+:class:`Context`, made by :func:`init` and dropped by :func:`shutdown`; the
+module keeps nothing else. Local ranks are the ranks that share a host
+(``Split_type(COMM_TYPE_SHARED)``), cross ranks the ranks with the same
+local rank on every host, as in Horovod.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mpi4py import MPI
+
+from .. import groups
+
+__all__ = ["Context", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+           "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
+           "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+
+#: Horovod's words, and ours: the type is Horovod's (``ValueError``).
+NOT_INITIALIZED = ("Horovod has not been initialized; use hvd.init(). (mpi_gradreducer.horovod: call hvd.init() "
+                   "on every rank before {what})")
+
+
+@dataclass
+class Context:
+    """What :func:`init` sets up: the communicators (duplicates, owned here) and their ranks.
+
+    Attributes:
+        comm: the global communicator (Horovod's global process set).
+        local: the ranks of ``comm`` on this host.
+        cross: the ranks of ``comm`` with this rank's local rank, one per host.
+    """
+
+    comm: MPI.Intracomm
+    local: MPI.Intracomm
+    cross: MPI.Intracomm
+
+    def free(self) -> None:
+        """Free the communicators (collective over ``comm``)."""
+        for c in (self.cross, self.local, self.comm):
+            if c != MPI.COMM_NULL:
+                c.Free()
+
+
+class _Session:
+    """The single holder of the context: set by :func:`init`, cleared by :func:`shutdown`."""
+
+    context: Context | None = None
+
+
+def current(what: str = "this call") -> Context:
+    """The context made by :func:`init`.
+
+    Args:
+        what: the call that needs it, for the message.
+
+    Raises:
+        ValueError: before :func:`init` (or after :func:`shutdown`), as Horovod does.
+    """
+    ctx = _Session.context
+    if ctx is None:
+        raise ValueError(NOT_INITIALIZED.format(what=what))
+    return ctx
+
+
+def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = None) -> None:
+    """Initialize (collective over ``comm``; over ``MPI.COMM_WORLD`` when ``comm`` lists ranks).
+
+    A second call while initialized does nothing, as in Horovod.
+
+    Args:
+        comm: None (every rank of ``MPI.COMM_WORLD``), an mpi4py
+            intracommunicator (duplicated), or a list of ranks of
+            ``MPI.COMM_WORLD`` (every rank of ``MPI.COMM_WORLD`` calls
+            ``init`` with the same list).
+        process_sets: only None: process sets beyond the global one are not
+            supported.
+
+    Raises:
+        NotImplementedError: ``process_sets`` given.
+        TypeError: ``comm`` is none of the above.
+        ValueError: this rank is not in the listed ranks (on those ranks only:
+            the listed ranks are initialized), or the list is invalid (on every rank).
+    """
+    if process_sets is not None:
+        raise NotImplementedError(f"init(process_sets=...): process sets beyond the global one are not supported "
+                                  f"by mpi_gradreducer.horovod, got {process_sets!r}; pass a communicator of the "
+                                  "ranks you want as comm instead")
+    if _Session.context is not None:
+        return
+    if comm is None:
+        base: MPI.Intracomm = MPI.COMM_WORLD.Dup()
+    elif isinstance(comm, MPI.Intracomm):
+        if comm == MPI.COMM_NULL:
+            raise TypeError("comm: expected an mpi4py intracommunicator, got MPI.COMM_NULL")
+        base = comm.Dup()
+    elif isinstance(comm, Sequence) and not isinstance(comm, (str, bytes)):
+        new = groups.create_group(list(comm), MPI.COMM_WORLD)
+        if new is None:
+            raise ValueError(f"init(comm={list(comm)!r}): rank {MPI.COMM_WORLD.Get_rank()} of MPI.COMM_WORLD is "
+                             "not in comm; only the listed ranks may use Horovod's calls")
+        base = new
+    else:
+        raise TypeError(f"comm: expected None, an mpi4py intracommunicator or a list of ranks, got "
+                        f"{type(comm).__name__} {comm!r}")
+    local = base.Split_type(MPI.COMM_TYPE_SHARED, key=base.Get_rank())
+    cross = base.Split(local.Get_rank(), key=base.Get_rank())
+    assert isinstance(local, MPI.Intracomm) and isinstance(cross, MPI.Intracomm)  # mpi4py's stubs say Comm
+    _Session.context = Context(base, local, cross)
+
+
+def shutdown() -> None:
+    """Free what :func:`init` made (collective). Does nothing when not initialized."""
+    ctx, _Session.context = _Session.context, None
+    if ctx is not None:
+        ctx.free()
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init` was called (and :func:`shutdown` was not since)."""
+    return _Session.context is not None
+
+
+def size() -> int:
+    """The number of ranks."""
+    return current("hvd.size()").comm.Get_size()
+
+
+def rank() -> int:
+    """This rank."""
+    return current("hvd.rank()").comm.Get_rank()
+
+
+def local_size() -> int:
+    """The number of ranks on this host."""
+    return current("hvd.local_size()").local.Get_size()
+
+
+def local_rank() -> int:
+    """This rank among the ranks on this host."""
+    return current("hvd.local_rank()").local.Get_rank()
+
+
+def cross_size() -> int:
+    """The number of hosts that have a rank with this rank's local rank."""
+    return current("hvd.cross_size()").cross.Get_size()
+
+
+def cross_rank() -> int:
+    """This rank among the ranks with its local rank, one per host (its host's index)."""
+    return current("hvd.cross_rank()").cross.Get_rank()
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI was initialized with ``MPI_THREAD_MULTIPLE``."""
+    current("hvd.mpi_threads_supported()")
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def mpi_enabled() -> bool:
+    """True: every collective here is MPI."""
+    return True
+
+
+def mpi_built() -> bool:
+    """True: this package runs on MPI (mpi4py)."""
+    return True
+
+
+def gloo_enabled() -> bool:
+    """False: no gloo controller (the ranks are MPI's)."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: no gloo."""
+    return False
+
+
+def nccl_built() -> int:
+    """0 (false): device tensors go through MPI (host copies), not NCCL."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL."""
+    return False
+
+
+def cuda_built() -> bool:
+    """Whether cupy is installed and sees a CUDA device: the package's GPU paths are usable.
+
+    Horovod answers whether it was compiled with CUDA; this package is pure
+    Python, so the answer is whether its device arrays (cupy) would work
+    here. The torch collectives of this module take CUDA tensors either way
+    (through host copies).
+    """
+    if importlib.util.find_spec("cupy") is None:
+        return False
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount()) > 0
+    except Exception:  # a CUDA runtime error without a driver or device
+        return False
+
+
+def rocm_built() -> bool:
+    """False: no ROCm paths."""
+    return False
