@@ -38,6 +38,8 @@ class Hosts:
         count: the number of hosts (the same on every rank).
         ranks_per_host: the ranks on every host, or None where hosts hold different numbers.
         two_levels: whether the summers it makes sum in two levels.
+        chunk_bytes: the bytes of one collective: ``transport.CHUNK_BYTES`` on
+            one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
     """
 
     def __init__(self, comm: MPI.Intracomm, two_levels: bool = True) -> None:
@@ -48,6 +50,7 @@ class Hosts:
         even = len({n for n, _ in every}) == 1
         self.count = sum(first for _, first in every)
         self.ranks_per_host = local if even else None
+        self.chunk_bytes = transport.CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
         self.two_levels = bool(two_levels) and even and 1 < local < comm.Get_size()
         self.node: MPI.Intracomm | None = None
         self.across: MPI.Intracomm | None = None
@@ -60,15 +63,19 @@ class Hosts:
         else:
             node.Free()
 
-    def ordered_sum(self, dtype: Any, chunk_bytes: int = transport.CHUNK_BYTES) -> transport.OrderedSum:
-        """A summer of ``dtype`` host chunks: two levels where they apply, else rank order over ``comm``."""
+    def ordered_sum(self, dtype: Any, chunk_bytes: int | None = None) -> transport.OrderedSum:
+        """A summer of ``dtype`` host chunks (of up to ``chunk_bytes``, default :attr:`chunk_bytes`): two levels
+        where they apply, else rank order over ``comm``."""
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
         if self.node is None or self.across is None:
             return transport.OrderedSum(self.comm, dtype, chunk_bytes)
         return transport.OrderedSum(self.node, dtype, chunk_bytes,
                                     across=transport.OrderedSum(self.across, dtype, chunk_bytes))
 
-    def slice_sum(self, compression: wire.Compression, chunk_bytes: int = transport.CHUNK_BYTES) -> wire.SliceSum:
-        """A summer of 16-bit chunks in float32: two levels where they apply, else slices over ``comm``."""
+    def slice_sum(self, compression: wire.Compression, chunk_bytes: int | None = None) -> wire.SliceSum:
+        """A summer of 16-bit chunks in float32 (``chunk_bytes`` of wire data a collective, default
+        :attr:`chunk_bytes`): two levels where they apply, else slices over ``comm``."""
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
         if self.node is None or self.across is None:
             return wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall")
         return wire.SliceSum(self.node, compression, chunk_bytes, "alltoall",

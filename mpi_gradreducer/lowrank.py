@@ -398,7 +398,8 @@ class LowRankPath:
                 ordered = self._summers.get(data.dtype)
                 if ordered is None:
                     ordered = self._summers[data.dtype] = self.hosts.ordered_sum(data.dtype)
-            return transport.allreduce(self.comm, data, scale, ordered=ordered, every_chunk=self.options.deterministic)
+            return transport.allreduce(self.comm, data, scale, self.hosts.chunk_bytes, ordered=ordered,
+                                       every_chunk=self.options.deterministic)
 
         if g.host or self.options.cuda_aware:
             if g.ops is not None:

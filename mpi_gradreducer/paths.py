@@ -166,8 +166,8 @@ class Context:
         after = call.finite_check(self.plan.buffers[k].limit)
         ordered = self.summer(buf.dtype) if isinstance(buf, np.ndarray) else None
         self.instrument.stats.messages += self.instrument.collective(
-            self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, after=after,
-            ordered=ordered, every_chunk=every_chunk or self.options.deterministic)
+            self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, self.hosts.chunk_bytes,
+            after=after, ordered=ordered, every_chunk=every_chunk or self.options.deterministic)
 
     def describe(self, k: int) -> Callable[[], str]:
         """What bucket ``k`` is, for the watchdog."""

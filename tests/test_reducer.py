@@ -158,6 +158,17 @@ def _levels(comm) -> list[int]:
         hosts.free()
 
 
+def _chunk_bytes(comm) -> int:
+    """The bytes of one collective of the reducer's sums (smaller across hosts)."""
+    from mpi_gradreducer.hosts import Hosts
+
+    hosts = Hosts(comm)
+    try:
+        return hosts.chunk_bytes
+    finally:
+        hosts.free()
+
+
 def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
     """The collectives an ``OrderedSum`` makes for ``n`` float32 elements, level by level (innermost first)."""
     size, outer = levels[0], levels[1:]
@@ -175,7 +186,7 @@ def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
 
 def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
     from mpi_gradreducer.paths import HEAD_BYTES
-    from mpi_gradreducer.transport import CHUNK_BYTES, GATHERED_SUM_BYTES
+    from mpi_gradreducer.transport import GATHERED_SUM_BYTES
 
     shapes = [(700, 1024), (3,), (300, 1024), (5, 5), (1200, 1024), (17,)]  # large and small, float32
     params = _params(shapes)
@@ -191,7 +202,8 @@ def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
             reducer(grads)
             total = sum(int(np.prod(s)) for s in shapes) * 4
             head = min(reducer.buckets[0].nbytes, HEAD_BYTES)  # travels with the call header
-            rest = [min(CHUNK_BYTES, total - head - start) for start in range(0, total - head, CHUNK_BYTES)]
+            chunk = _chunk_bytes(comm)
+            rest = [min(chunk, total - head - start) for start in range(0, total - head, chunk)]
             levels = _levels(comm)
             per_chunk = [1 if comm.Get_size() == 1 else _ordered_sum_calls(n // 4, levels, GATHERED_SUM_BYTES // 4)
                          for n in rest]
