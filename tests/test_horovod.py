@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import WORLD, assert_same_on_all_ranks, everywhere
+from mpi_gradreducer.groups import processor_names
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SCRIPT = os.path.join(ROOT, "scripts", "train_horovod.py")
@@ -79,8 +80,11 @@ def expect_everywhere(exc: type[BaseException], pattern: str, call) -> None:
 def test_topology_and_built(hvd):
     assert (hvd.size(), hvd.rank()) == (SIZE, RANK)
     assert hvd.is_initialized()
-    assert hvd.local_size() * hvd.cross_size() == SIZE  # one host here: local_size == size
-    assert 0 <= hvd.local_rank() < hvd.local_size() and 0 <= hvd.cross_rank() < hvd.cross_size()
+    names = processor_names(WORLD)
+    here = [r for r, n in enumerate(names) if n == names[RANK]]
+    assert (hvd.local_rank(), hvd.local_size()) == (here.index(RANK), len(here))  # by host, across hosts too
+    assert hvd.local_size() * hvd.cross_size() == SIZE  # every host holds as many ranks (the launches here)
+    assert 0 <= hvd.cross_rank() < hvd.cross_size()
     assert hvd.mpi_built() and hvd.mpi_enabled()
     assert not (hvd.gloo_built() or hvd.gloo_enabled() or hvd.nccl_built() or hvd.ddl_built() or hvd.ccl_built()
                 or hvd.rocm_built())
@@ -95,13 +99,14 @@ def test_calls_before_init_raise_and_init_again(hvd, torch):
     for call in (hvd.size, hvd.rank, hvd.local_rank, hvd.barrier, lambda: hvd.allreduce(np.zeros(1))):
         with pytest.raises(ValueError, match=r"Horovod has not been initialized; use hvd.init\(\)"):
             call()
+    names = processor_names(WORLD)[:LAST]  # collective: every rank, before the branches
     if SIZE > 1:  # the listed ranks only: the last rank is left out, and told so
         if RANK == LAST:
             with pytest.raises(ValueError, match=rf"rank {LAST} of MPI.COMM_WORLD is not in comm"):
                 hvd.init(list(range(LAST)))
         else:
             hvd.init(list(range(LAST)))
-            assert (hvd.size(), hvd.rank(), hvd.local_size()) == (LAST, RANK, LAST)
+            assert (hvd.size(), hvd.rank(), hvd.local_size()) == (LAST, RANK, names.count(names[RANK]))
             assert hvd.allreduce(torch.ones(1), op=hvd.Sum).tolist() == [LAST]
             hvd.shutdown()
     hvd.init(WORLD)
