@@ -152,7 +152,10 @@ def make_plan(
     or of at least ``direct_bytes`` on the wire, gets a bucket of its own (so it
     can be reduced in place without a copy). The others join the open bucket of
     their (fusion id, device, dtype), which is closed when the next member would
-    take it past ``bucket_bytes``. Buckets are ordered by their first member.
+    take it past ``bucket_bytes``. Buckets are ordered by their first member;
+    visiting in reverse, by their last (the member backward finishes last), so
+    that a fused bucket of small tensors from all over the model (biases,
+    norms) does not hold back every bucket after it until backward ends.
     Zero-size and excluded parameters are in no bucket.
 
     Args:
@@ -195,6 +198,8 @@ def make_plan(
                 open_for[key] = b
         opened[b].append(i)
         filled[b] += nbytes
+    if reverse:  # stable: buckets whose last members are the same keep their order
+        opened.sort(key=lambda members: -members[-1])
     buckets = []
     for members in opened:
         dtype = np.dtype(params[members[0]].dtype)
