@@ -98,32 +98,28 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     np.testing.assert_array_equal(data.view(np.uint16), expected.view(np.uint16))
 
 
-def test_reducer_means_are_the_same_bits_however_called(hosts: Hosts):
-    """Blocking, ``begin``/``ready``/``wait`` in reverse order, and the reducer's views: one result."""
+@pytest.mark.parametrize("views", [False, True], ids=["arrays", "views"])
+def test_reducer_means_are_the_same_bits_however_called(views: bool):
+    """Blocking, and ``begin``/``ready``/``wait`` in reverse order: one result, on every rank (arrays or views)."""
     shapes = [(300, 1024), (7,), (900, 1024), (33, 5)]
     rng = np.random.default_rng([3, WORLD.Get_rank()])
     data = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     results = []
     with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes], timeout=60) as reducer:
-        grads = [d.copy() for d in data]
-        reducer(grads)
-        results.append(grads)
-        grads = [d.copy() for d in data]
-        step = reducer.begin(grads)
-        for i in reversed(range(len(grads))):
-            step.ready(i)
-        step.wait()
-        results.append(grads)
-        views = reducer.allocate_grads()
-        for v, d in zip(views, data, strict=True):
-            v[...] = d
-        reducer(views)
-        results.append([v.copy() for v in views])
-    for other in results[1:]:
-        for a, b in zip(results[0], other, strict=True):
-            np.testing.assert_array_equal(a, b)
-    rows = [np.concatenate([r.ravel() for r in results[0]])]
-    assert all(np.array_equal(rows[0], r) for r in WORLD.allgather(rows[0])), "the ranks disagree"
+        for asynchronous in (False, True):
+            grads = reducer.allocate_grads() if views else [np.empty_like(d) for d in data]
+            for g, d in zip(grads, data, strict=True):
+                g[...] = d
+            if asynchronous:
+                step = reducer.begin(grads)
+                for i in reversed(range(len(grads))):
+                    step.ready(i)
+                step.wait()
+            else:
+                reducer(grads)
+            results.append(np.concatenate([g.ravel() for g in grads]))
+    np.testing.assert_array_equal(results[0], results[1])
+    assert all(np.array_equal(results[0], r) for r in WORLD.allgather(results[0])), "the ranks disagree"
 
 
 @pytest.mark.parametrize("members", ["all", "first three", "even ranks"])
