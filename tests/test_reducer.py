@@ -107,8 +107,9 @@ def test_buckets_split_by_dtype_and_cap(comm):
               np.zeros(1000, np.float64), np.zeros(1000, np.float32)]
     with DistributedGradReducer(params, bucket_bytes=8000, group=comm) as reducer:
         by = [(b.dtype.name, b.indices, b.nbytes) for b in reducer.buckets]
-        # Backward order: parameters are visited from last to first.
-        assert by == [("float32", (4, 2), 8000), ("float64", (3,), 8000), ("float64", (1,), 8000),
+        # Backward order: parameters are visited from last to first, and the buckets ordered by the
+        # member visited last (the one backward finishes last).
+        assert by == [("float64", (3,), 8000), ("float32", (4, 2), 8000), ("float64", (1,), 8000),
                       ("float32", (0,), 4000)]
         grads = _fill(comm, params, 4.0)
         reducer(grads)
@@ -120,7 +121,7 @@ def test_large_arrays_travel_alone_and_in_place(comm):
     big = np.zeros((512, 1024), np.float32)  # 2 MiB: above the direct threshold
     params = [np.zeros(3, np.float32), big, np.zeros(5, np.float32)]
     with DistributedGradReducer(params, group=comm) as reducer:
-        assert [b.indices for b in reducer.buckets] == [(2, 0), (1,)]
+        assert [b.indices for b in reducer.buckets] == [(1,), (2, 0)]  # the small ones wait for parameter 0
         grads = _fill(comm, params, 1.0)
         reducer(grads)
         for g in grads:
