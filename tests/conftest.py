@@ -8,7 +8,9 @@ instead the failing rank prints its report to stderr and aborts the job.
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -103,6 +105,18 @@ def agree_on_failures(failures: list[str]) -> None:
         message[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     WORLD.Bcast(message, root=who)
     raise AssertionError(f"rank {who}: " + bytes(message).rstrip(b"\0").decode(errors="replace"))
+
+
+def cluster_unavailable() -> str | None:
+    """Why ``scripts/cluster.py`` cannot make a cluster here, or None when it can.
+
+    Asked from a single process only (the tests that make clusters launch their own jobs).
+    """
+    if WORLD.Get_size() > 1:
+        return "launches its own MPI jobs: run from a single process"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "cluster.py"
+    proc = subprocess.run([sys.executable, str(script), "check"], capture_output=True, text=True, timeout=60)
+    return None if proc.returncode == 0 else f"no cluster of network namespaces here: {proc.stderr.strip()}"
 
 
 def _cupy_devices() -> int:

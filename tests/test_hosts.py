@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import WORLD
+from conftest import cluster_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "cluster.py"
@@ -42,14 +42,7 @@ TIMEOUT = 4.0
 GRACE = 3.0 + 4.0
 
 
-def _unavailable() -> str | None:
-    if WORLD.Get_size() > 1:
-        return "launches its own MPI jobs: run from a single process"
-    proc = subprocess.run([sys.executable, str(CLUSTER), "check"], capture_output=True, text=True, timeout=60)
-    return None if proc.returncode == 0 else f"no cluster of network namespaces here: {proc.stderr.strip()}"
-
-
-UNAVAILABLE = _unavailable()
+UNAVAILABLE = cluster_unavailable()
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
 
 _names = count()
