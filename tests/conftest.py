@@ -8,6 +8,7 @@ instead the failing rank prints its report to stderr and aborts the job.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +106,21 @@ def agree_on_failures(failures: list[str]) -> None:
         message[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     WORLD.Bcast(message, root=who)
     raise AssertionError(f"rank {who}: " + bytes(message).rstrip(b"\0").decode(errors="replace"))
+
+
+#: Whether torch can be imported in this process.
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+
+
+@pytest.fixture(scope="module")
+def torch():
+    """torch (one thread), when every rank has it; else the test skips on every rank."""
+    if not everywhere(HAS_TORCH):
+        pytest.skip("needs torch on every rank")
+    import torch as th
+
+    th.set_num_threads(1)
+    return th
 
 
 def cluster_unavailable() -> str | None:

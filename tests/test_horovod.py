@@ -21,7 +21,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import WORLD, assert_same_on_all_ranks, everywhere
+from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks
 from mpi_gradreducer.groups import processor_names
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -30,21 +30,6 @@ DOC = os.path.join(ROOT, "docs", "horovod.rst")
 JOB_LIMIT = 300
 SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 LAST = SIZE - 1
-
-
-def _has_torch() -> bool:
-    return importlib.util.find_spec("torch") is not None
-
-
-@pytest.fixture(scope="module")
-def torch():
-    """torch, when every rank has it; else the test skips on every rank."""
-    if not everywhere(_has_torch()):
-        pytest.skip("needs torch on every rank")
-    import torch as th
-
-    th.set_num_threads(1)
-    return th
 
 
 @pytest.fixture(scope="module")
@@ -569,7 +554,7 @@ def test_optimizer_misuse_raises_on_every_rank(hvd, torch, progress):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_torch(), reason="needs torch")
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 @pytest.mark.skipif(SIZE > 1, reason="launches its own MPI job: run from a single process")
 def test_train_horovod_matches_ddp():
     """The Horovod-style script at 4 ranks, float64, 20 steps: plain, 2 passes per step, predivide 2."""
@@ -614,7 +599,7 @@ def _table() -> dict[str, str]:
                                             flags=re.M)}
 
 
-@pytest.mark.skipif(not _has_torch(), reason="needs torch")
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_migration_table_lists_every_name():
     import mpi_gradreducer.horovod as module
 

@@ -12,7 +12,6 @@ alike, in the others.)
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -22,27 +21,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import WORLD, assert_same_on_all_ranks, everywhere
+from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 JOB = os.path.join(ROOT, "tests", "jobs", "torch_ddp.py")
 JOB_LIMIT = 300
 TOLERANCE = 1e-9
-
-
-def _has_torch() -> bool:
-    return importlib.util.find_spec("torch") is not None
-
-
-@pytest.fixture(scope="module")
-def torch():
-    """torch, when every rank has it; else the test skips on every rank."""
-    if not everywhere(_has_torch()):
-        pytest.skip("needs torch on every rank")
-    import torch as th
-
-    th.set_num_threads(1)
-    return th
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +56,7 @@ def _params(net) -> list[np.ndarray]:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_torch(), reason="needs torch")
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_matches_ddp_over_gloo():
     """Overlap, unused parameters, accumulation (two ways) and clipping: 4 ranks, float64, 20 steps."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
