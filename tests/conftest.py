@@ -9,6 +9,8 @@ instead the failing rank prints its report to stderr and aborts the job.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -121,6 +123,24 @@ def torch():
 
     th.set_num_threads(1)
     return th
+
+
+def run_job(script: str, *args: str, ranks: int = 4, limit: float = 300) -> subprocess.CompletedProcess:
+    """``mpiexec -n RANKS python -m mpi4py SCRIPT ARGS`` from the repository, to its end (at most ``limit`` s).
+
+    The job gets none of this process's MPI launch variables, one thread per
+    rank for OpenMP, and the repository on ``PYTHONPATH``; the test skips where
+    no ``mpiexec`` is found.
+    """
+    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("needs mpiexec")
+    root = str(Path(__file__).resolve().parents[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_GRADREDUCER_"))}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", script, *args], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=limit)
 
 
 def cluster_unavailable() -> str | None:

@@ -14,14 +14,11 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks
+from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks, run_job
 from mpi_gradreducer.groups import processor_names
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -558,15 +555,7 @@ def test_optimizer_misuse_raises_on_every_rank(hvd, torch, progress):
 @pytest.mark.skipif(SIZE > 1, reason="launches its own MPI job: run from a single process")
 def test_train_horovod_matches_ddp():
     """The Horovod-style script at 4 ranks, float64, 20 steps: plain, 2 passes per step, predivide 2."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("needs mpiexec")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_GRADREDUCER_"))}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", SCRIPT, "--compare-ddp",
-                           "--steps", "20", "--epochs", "3"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=JOB_LIMIT)
+    proc = run_job(SCRIPT, "--compare-ddp", "--steps", "20", "--epochs", "3", limit=JOB_LIMIT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = {m[0]: (float(m[1]), float(m[2]), float(m[3])) for m in
              re.findall(r"case=(\w+) max_difference=(\S+) accuracy=(\S+) ddp_accuracy=(\S+)", proc.stdout)}

@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks
+from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks, run_job
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 JOB = os.path.join(ROOT, "tests", "jobs", "torch_ddp.py")
@@ -59,14 +56,7 @@ def _params(net) -> list[np.ndarray]:
 @pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
 def test_matches_ddp_over_gloo():
     """Overlap, unused parameters, accumulation (two ways) and clipping: 4 ranks, float64, 20 steps."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("needs mpiexec")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_GRADREDUCER_"))}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", JOB, "--steps", "20"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=JOB_LIMIT)
+    proc = run_job(JOB, "--steps", "20", limit=JOB_LIMIT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     cases = {m[0]: (float(m[1]), float(m[2]), float(m[3])) for m in
              re.findall(r"case=(\w+) max_difference=(\S+) moved=(\S+) never_moved=(\S+)", proc.stdout)}
