@@ -11,6 +11,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend, compression as wire, interop, planning, transport
+from .blas import share_of_cores
 from .dtypes import SUPPORTED_NAMES, dtype_code
 from .groups import processor_names
 from .planning import ParamSpec
@@ -298,8 +299,7 @@ def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
     multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
     hosts = processor_names(comm)
     ranks_here = hosts.count(hosts[comm.Get_rank()])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    spare = np.array([int(multiple and cores >= 2 * ranks_here)], dtype=np.int64)
+    spare = np.array([int(multiple and share_of_cores(ranks_here) >= 2)], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, spare, op=MPI.MIN)
     return "thread" if spare[0] else "deferred"
 

@@ -37,6 +37,7 @@ class Hosts:
     Attributes:
         count: the number of hosts (the same on every rank).
         ranks_per_host: the ranks on every host, or None where hosts hold different numbers.
+        ranks_here: the ranks on this rank's host.
         two_levels: whether the summers it makes sum in two levels.
         chunk_bytes: the bytes of one collective: ``transport.CHUNK_BYTES`` on
             one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
@@ -50,6 +51,7 @@ class Hosts:
         even = len({n for n, _ in every}) == 1
         self.count = sum(first for _, first in every)
         self.ranks_per_host = local if even else None
+        self.ranks_here = local
         self.chunk_bytes = transport.CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
         self.two_levels = bool(two_levels) and even and 1 < local < comm.Get_size()
         self.node: MPI.Intracomm | None = None

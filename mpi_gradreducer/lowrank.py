@@ -37,6 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import agreement, backend, transport
+from .blas import BlasThreads, share_of_cores
 from .call import Call
 from .config import Options
 from .dtypes import largest_finite, scaled_copy
@@ -145,6 +146,8 @@ class LowRankPath:
                     e[...] = 0
                     self.error[i] = e
         self._scratch: dict[int, Any] = {}  # M of gradients that are not C-contiguous
+        #: The host products' BLAS threads: this rank's share of its host's cores.
+        self.blas = BlasThreads(share_of_cores(self.hosts.ranks_here))
 
     # -- state ------------------------------------------------------------------------
 
@@ -251,7 +254,8 @@ class LowRankPath:
             if self.iteration < self.config.start_iter:
                 self._uncompressed(call, active)
             else:
-                self._compressed(call, set(active))
+                with self.blas.limited():
+                    self._compressed(call, set(active))
         self.iteration += 1
 
     def _uncompressed(self, call: Call, active: Sequence[int]) -> None:
