@@ -39,6 +39,7 @@ from .dtypes import scaled_copy
 
 __all__ = [
     "COMPRESSIONS",
+    "CastSum",
     "Compression",
     "SliceSum",
     "compressed_allreduce",
@@ -415,3 +416,38 @@ class SliceSum:
             self._recv = np.empty(self.size * share, dtype=np.uint16)
             self._acc, self._tmp = np.empty(share, dtype=np.float32), np.empty(share, dtype=np.float32)
         return self._recv[:count]
+
+
+class CastSum:
+    """Sums float32/float64 chunks across ``comm`` as 16-bit floats: cast, :class:`SliceSum`, cast back.
+
+    The level across hosts of a compressed two-level sum
+    (:meth:`~mpi_gradreducer.hosts.Hosts.ordered_sum`): each host's ranks
+    sum their gradients as they are, over shared memory; only each host's sum
+    crosses the links, divided by ``predivide`` and rounded once to 16 bits,
+    where the hosts' sums are added in float32 and rounded again. Each rank
+    casts 1/(ranks per host) of the gradient each way, and each host sends
+    half the bytes of the uncompressed sum.
+
+    Args:
+        summer: the 16-bit summer of the ranks with the same place on every host.
+        dtype: the chunks' dtype (float32 or float64).
+        predivide: each host's sum is divided by it before the cast (see
+            :meth:`Compression.scales`), and the result multiplied back.
+    """
+
+    def __init__(self, summer: SliceSum, dtype: Any, predivide: float) -> None:
+        self.summer, self.dtype = summer, np.dtype(dtype)
+        self.pre, self.post = 1.0 / predivide, float(predivide)
+        self._wire = np.empty(0, summer.compression.wire_dtype)
+
+    def __call__(self, chunk: Any, scale: float = 1.0) -> int:
+        """Sum ``chunk`` across ranks in place, times ``scale``; returns the collectives made."""
+        n = chunk.shape[0]
+        if self._wire.shape[0] < n:
+            self._wire = np.empty(n, self.summer.compression.wire_dtype)
+        wire = self._wire[:n]
+        pack(chunk, wire, self.pre)
+        calls = self.summer(wire)
+        unpack(wire, chunk, self.post * scale)
+        return calls

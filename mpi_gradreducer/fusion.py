@@ -286,14 +286,16 @@ class FusionPlan:
 
 
 def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
-             local: MPI.Intracomm | None = None) -> FusionPlan:
+             local: MPI.Intracomm | None = None, compressed: bool = True) -> FusionPlan:
     """The reducer's plan: backward order, a small first bucket, large gradients alone.
 
     Host gradients travel in their own dtype (float16 and bfloat16 too: each
     rank then sums one slice in float32); with compression, float32 and
-    float64 ones as 16-bit floats; device halves in float32.
+    float64 ones as 16-bit floats, unless not ``compressed`` (summed in two
+    levels, only the sums across hosts are: :meth:`.Hosts.ordered_sum`);
+    device halves in float32.
     """
-    comp = get_compression(options.compression)
+    comp = get_compression(options.compression) if compressed else None
 
     def wire_dtype(dtype: np.dtype, device: str) -> np.dtype:
         if not backend.is_host(device):
@@ -313,11 +315,13 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
     return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip], local)
 
 
-def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int]) -> list[int]:
-    """The caps among ``caps`` that give different plans (the smallest of each kind)."""
+def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int],
+                  compressed: bool = True) -> list[int]:
+    """The caps among ``caps`` that give different plans (the smallest of each kind; ``compressed``: as for
+    :func:`plan_for`)."""
     seen, kept = set(), []
     for cap in caps:
-        shape = tuple(b.indices for b in plan_for(specs, options, cap).buckets)
+        shape = tuple(b.indices for b in plan_for(specs, options, cap, compressed=compressed).buckets)
         if shape not in seen:
             seen.add(shape)
             kept.append(cap)

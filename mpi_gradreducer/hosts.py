@@ -18,6 +18,7 @@ sum in host order, ``(g0 + g1) + (g2 + g3)`` where rank order is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -65,14 +66,23 @@ class Hosts:
         else:
             node.Free()
 
-    def ordered_sum(self, dtype: Any, chunk_bytes: int | None = None) -> transport.OrderedSum:
+    def ordered_sum(self, dtype: Any, chunk_bytes: int | None = None, compression: wire.Compression | None = None,
+                    predivide: float | None = None) -> transport.OrderedSum:
         """A summer of ``dtype`` host chunks (of up to ``chunk_bytes``, default :attr:`chunk_bytes`): two levels
-        where they apply, else rank order over ``comm``."""
+        where they apply, else rank order over ``comm``.
+
+        With ``compression`` (two levels, a dtype it applies to), the hosts'
+        sums cross the links as 16-bit floats (:class:`~.compression.CastSum`,
+        dividing by ``predivide``, default the compression's own for the ranks of ``comm``).
+        """
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
         if self.node is None or self.across is None:
             return transport.OrderedSum(self.comm, dtype, chunk_bytes)
-        return transport.OrderedSum(self.node, dtype, chunk_bytes,
-                                    across=transport.OrderedSum(self.across, dtype, chunk_bytes))
+        across: Callable[[Any, float], int] = transport.OrderedSum(self.across, dtype, chunk_bytes)
+        if compression is not None and compression.applies_to(dtype):
+            f = compression.default_predivide(self.comm.Get_size()) if predivide is None else predivide
+            across = wire.CastSum(wire.SliceSum(self.across, compression, chunk_bytes, "alltoall"), dtype, f)
+        return transport.OrderedSum(self.node, dtype, chunk_bytes, across=across)
 
     def slice_sum(self, compression: wire.Compression, chunk_bytes: int | None = None) -> wire.SliceSum:
         """A summer of 16-bit chunks in float32 (``chunk_bytes`` of wire data a collective, default

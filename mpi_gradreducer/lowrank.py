@@ -90,11 +90,16 @@ class _Group:
         """A context in which the group's arrays are current (the device; nothing on the host)."""
         return contextlib.nullcontext() if self.ops is None else self.ops.device
 
-    def approximation(self, i: int) -> Any:
-        """``P Q^T`` of parameter ``i`` (after step 4), in the workspace."""
+    def approximation(self, i: int, factor: float, out: Any = None) -> Any:
+        """``P Q^T * factor`` of parameter ``i`` (after step 4), in ``out`` (default: the workspace).
+
+        The factor scales ``P`` (``rank x n``) before the product: one pass
+        over the ``n x m`` result where scaling it after would take two.
+        """
         n, m = self.shapes[i]
-        a = self.work[: n * m].reshape(n, m)
-        self.xp.matmul(self.p_views[i].T, self.q_views[i], out=a)
+        a = self.work[: n * m].reshape(n, m) if out is None else out
+        p = self.p_views[i] if factor == 1.0 else self.p_views[i] * self.dtype.type(factor)
+        self.xp.matmul(p.T, self.q_views[i], out=a)
         return a
 
 
@@ -342,13 +347,14 @@ class LowRankPath:
             finite = bool(xp.isfinite(p).all()) and bool(xp.isfinite(q).all())  # the sums: the same everywhere
             if i in matrices:
                 m = matrices[i]
-                a = g.approximation(i)
                 if finite and self.config.error_feedback:
-                    e = self.error[i].reshape(m.shape)
-                    xp.divide(a, contributors, out=e)
+                    e = g.approximation(i, 1.0 / contributors, out=self.error[i].reshape(m.shape))
                     xp.subtract(m, e, out=e)  # e = M - P Q^T / c (M may be the gradient itself: before it)
                 grad = call.grads[i]
-                scaled_copy(a.reshape(grad.shape), grad, call.scale)
+                if m is not self._scratch.get(i):  # M lies in the gradient: the product goes straight there
+                    g.approximation(i, call.scale, out=m)
+                else:
+                    scaled_copy(g.approximation(i, call.scale).reshape(grad.shape), grad)
                 self._check(call, i, g)
             if finite:
                 self._next_q(g, i, q)

@@ -57,9 +57,12 @@ class Context:
         #: Which ranks share a host: it makes the summers (two levels across hosts); flat without it.
         self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
         self.compression = compression
+        #: The compression that only the sums across hosts take (two levels; the buckets are then uncompressed).
+        self.across_hosts = compression if compression is not None and self.hosts.two_levels else None
         first = plan.buffers[0].bucket if plan.buffers else None
         carried = (first is not None and backend.is_host(first.device)
                    and not (compression is not None and first.wire_dtype == compression.wire_dtype)
+                   and not self.compressed_across(first.wire_dtype)  # all of a compressed bucket is summed so
                    and control.carries(first.wire_dtype, comm.Get_size()))
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
@@ -152,8 +155,13 @@ class Context:
         """The rank-order summer of ``dtype`` on the reducer's communicator (made once)."""
         summer = self._summers.get(dtype)
         if summer is None:
-            summer = self._summers[dtype] = self.hosts.ordered_sum(dtype)
+            summer = self._summers[dtype] = self.hosts.ordered_sum(dtype, compression=self.across_hosts,
+                                                                   predivide=self.options.predivide)
         return summer
+
+    def compressed_across(self, dtype: np.dtype) -> bool:
+        """Whether host sums of ``dtype`` cross the links compressed (then every chunk goes through :meth:`summer`)."""
+        return self.across_hosts is not None and self.across_hosts.applies_to(dtype)
 
     def allreduce(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
         """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk.
@@ -165,9 +173,10 @@ class Context:
             return
         after = call.finite_check(self.plan.buffers[k].limit)
         ordered = self.summer(buf.dtype) if isinstance(buf, np.ndarray) else None
+        every_chunk = every_chunk or self.options.deterministic or self.compressed_across(buf.dtype)
         self.instrument.stats.messages += self.instrument.collective(
             self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, self.hosts.chunk_bytes,
-            after=after, ordered=ordered, every_chunk=every_chunk or self.options.deterministic)
+            after=after, ordered=ordered, every_chunk=every_chunk)
 
     def describe(self, k: int) -> Callable[[], str]:
         """What bucket ``k`` is, for the watchdog."""
@@ -175,9 +184,14 @@ class Context:
 
     def record(self, call: Call, ks: Sequence[int], t0: float, t1: float, t2: float, t3: float) -> None:
         """Count and trace the phases of buckets ``ks``."""
-        buffers = self.plan.buffers
-        nbytes = buffers[ks[0]].bucket.nbytes if len(ks) == 1 else sum(buffers[k].bucket.nbytes for k in ks)
+        nbytes = sum(self._wire_bytes(self.plan.buffers[k].bucket) for k in ks)
         self.instrument.phases(call.number, ks, nbytes, t0, t1, t2, t3)
+
+    def _wire_bytes(self, bucket: Any) -> int:
+        """``bucket``'s bytes in the format it crosses hosts (16 bits a value where compressed across)."""
+        if self.across_hosts is not None and self.compressed_across(bucket.wire_dtype):
+            return bucket.count * self.across_hosts.wire_dtype.itemsize
+        return int(bucket.nbytes)
 
 
 class PackedPath:

@@ -120,11 +120,12 @@ class OrderedSum:
         comm: the communicator (with ``across``: the ranks of one host).
         dtype: the chunks' dtype (float or complex).
         chunk_bytes: the largest chunk that will come (sizes the scratch buffers).
-        across: the summer of the hosts' sums, or None (``comm`` is all the ranks).
+        across: the summer of the hosts' sums (an :class:`OrderedSum`, or a
+            :class:`~mpi_gradreducer.compression.CastSum`), or None (``comm`` is all the ranks).
     """
 
     def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES,
-                 across: OrderedSum | None = None) -> None:
+                 across: Callable[[np.ndarray, float], int] | None = None) -> None:
         self.comm = comm
         self.across = across
         self.dtype = np.dtype(dtype)

@@ -31,7 +31,10 @@ this Python, else the first on ``PATH``) with Hydra's ssh launcher pointed at
 this script, which starts each host's proxy inside that host's namespace; MPI
 goes over TCP between hosts (``UCX_TLS=tcp,self`` on ``eth0``; ranks on one
 host share memory as usual); the ranks find ``CLUSTER_HOSTS`` and ``CLUSTER_PPN``
-in their environment. After ``mpiexec`` ends, processes still running
+in their environment. The hosts share this machine's cores: unless they
+are set, ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS``
+give each rank its share (the cores divided by all ranks), as each rank
+would have with hosts of its own. After ``mpiexec`` ends, processes still running
 on a host (a proxy cut off from ``mpiexec``, say) are named on stderr and
 killed. ``run --timeout S`` kills the whole job after S seconds (exit 124).
 
@@ -58,6 +61,8 @@ RANGE = ipaddress.IPv4Network("198.18.0.0/15")
 #: The bridge's (mpiexec's) last octet; hosts are 1, 2, ...
 BRIDGE_HOST = 254
 MAX_HOSTS = 64
+#: The thread pools' sizes that ``run`` sets, unless set already, to each rank's share of this machine's cores.
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 NIC = "eth0"
 #: Where ``ip netns exec`` finds a namespace's own ``/etc`` files.
 ETC = Path("/etc/netns")
@@ -291,9 +296,11 @@ class Cluster:
             raise ClusterError("run: no command given (cluster.py run --ppn 2 -- python job.py)", 2)
         addresses = ",".join(self.address(h) for h in hosts)
         bridge = str(self.subnet().network_address + BRIDGE_HOST)  # type: ignore[union-attr]
+        share = str(max(1, len(os.sched_getaffinity(0)) // (ppn * len(hosts))))
+        threads = [arg for var in THREAD_VARIABLES if var not in os.environ for arg in ("-genv", var, share)]
         return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(Path(__file__).resolve()),
                 "-hosts", addresses, "-ppn", str(ppn), "-n", str(ppn * len(hosts)), "-localhost", bridge,
-                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC,
+                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC, *threads,
                 "-genv", "CLUSTER_HOSTS", str(len(hosts)), "-genv", "CLUSTER_PPN", str(ppn), *command]
 
     def run(self, ppn: int, command: Sequence[str], mpiexec: str, timeout: float | None) -> int:

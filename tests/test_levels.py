@@ -98,14 +98,38 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     np.testing.assert_array_equal(data.view(np.uint16), expected.view(np.uint16))
 
 
+@pytest.mark.parametrize("n", COUNTS)
+def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: int):
+    """With fp16 in two levels: each host's float32 sum, divided by the ranks and rounded to float16, summed
+    across hosts in float32 and rounded again, then scaled back; on one host the plain rank-order sum."""
+    rows = _rows(n, np.float32, 11 + n)
+    groups = _groups(hosts)
+    size, scale = WORLD.Get_size(), 0.25
+    if len(groups) == 1:
+        expected = _in_order([rows[r] for r in groups[0]]) * np.float32(scale)
+    else:
+        wires = [(_in_order([rows[r] for r in g]) * np.float32(1.0 / size)).astype(np.float16) for g in groups]
+        summed = _in_order([w.astype(np.float32) for w in wires]).astype(np.float16)
+        expected = summed.astype(np.float32) * np.float32(size * scale)
+    for chunk_bytes in (64 << 10, 1 << 20):  # the bits do not depend on where the chunks begin
+        summer = hosts.ordered_sum(np.float32, chunk_bytes, compression=get_compression("fp16"))
+        data = rows[WORLD.Get_rank()].copy()
+        step = chunk_bytes // 4
+        for start in range(0, n, step):
+            summer(data[start : start + step], scale)
+        np.testing.assert_array_equal(data, expected)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
 @pytest.mark.parametrize("views", [False, True], ids=["arrays", "views"])
-def test_reducer_means_are_the_same_bits_however_called(views: bool):
+def test_reducer_means_are_the_same_bits_however_called(views: bool, compression: str | None):
     """Blocking, and ``begin``/``ready``/``wait`` in reverse order: one result, on every rank (arrays or views)."""
     shapes = [(300, 1024), (7,), (900, 1024), (33, 5)]
     rng = np.random.default_rng([3, WORLD.Get_rank()])
     data = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     results = []
-    with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes], timeout=60) as reducer:
+    with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes], timeout=60,
+                                compression=compression) as reducer:
         for asynchronous in (False, True):
             grads = reducer.allocate_grads() if views else [np.empty_like(d) for d in data]
             for g, d in zip(grads, data, strict=True):
