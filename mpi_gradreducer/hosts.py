@@ -18,7 +18,6 @@ sum in host order, ``(g0 + g1) + (g2 + g3)`` where rank order is
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -40,6 +39,8 @@ class Hosts:
         ranks_per_host: the ranks on every host, or None where hosts hold different numbers.
         ranks_here: the ranks on this rank's host.
         two_levels: whether the summers it makes sum in two levels.
+        casts_across: whether compression casts only what crosses hosts (two
+            levels, or one rank on each of several hosts; see :meth:`ordered_sum`).
         chunk_bytes: the bytes of one collective: ``transport.CHUNK_BYTES`` on
             one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
     """
@@ -55,6 +56,7 @@ class Hosts:
         self.ranks_here = local
         self.chunk_bytes = transport.CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
         self.two_levels = bool(two_levels) and even and 1 < local < comm.Get_size()
+        self.casts_across = bool(two_levels) and even and self.count > 1
         self.node: MPI.Intracomm | None = None
         self.across: MPI.Intracomm | None = None
         if self.two_levels:
@@ -67,20 +69,28 @@ class Hosts:
             node.Free()
 
     def ordered_sum(self, dtype: Any, chunk_bytes: int | None = None, compression: wire.Compression | None = None,
-                    predivide: float | None = None) -> transport.OrderedSum:
+                    predivide: float | None = None) -> transport.Summer:
         """A summer of ``dtype`` host chunks (of up to ``chunk_bytes``, default :attr:`chunk_bytes`): two levels
         where they apply, else rank order over ``comm``.
 
-        With ``compression`` (two levels, a dtype it applies to), the hosts'
-        sums cross the links as 16-bit floats (:class:`~.compression.CastSum`,
-        dividing by ``predivide``, default the compression's own for the ranks of ``comm``).
+        With ``compression`` (where :attr:`casts_across`, for a dtype it
+        applies to), the hosts' sums cross the links as 16-bit floats
+        (:class:`~.compression.CastSum`, dividing by ``predivide``, default
+        the compression's own for the ranks of ``comm``), each chunk cast
+        while it is in cache.
         """
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+        cast = compression is not None and self.casts_across and compression.applies_to(dtype)
+        if cast:
+            assert compression is not None
+            f = compression.default_predivide(self.comm.Get_size()) if predivide is None else predivide
+            if self.across is None:  # one rank on each host
+                return wire.CastSum(wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall"), dtype, f)
         if self.node is None or self.across is None:
             return transport.OrderedSum(self.comm, dtype, chunk_bytes)
-        across: Callable[[Any, float], int] = transport.OrderedSum(self.across, dtype, chunk_bytes)
-        if compression is not None and compression.applies_to(dtype):
-            f = compression.default_predivide(self.comm.Get_size()) if predivide is None else predivide
+        across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes)
+        if cast:
+            assert compression is not None
             across = wire.CastSum(wire.SliceSum(self.across, compression, chunk_bytes, "alltoall"), dtype, f)
         return transport.OrderedSum(self.node, dtype, chunk_bytes, across=across)
 

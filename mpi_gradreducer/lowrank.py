@@ -136,7 +136,7 @@ class LowRankPath:
         for i in self.indices:
             keyed.setdefault((specs[i].device, compute_dtype(specs[i].dtype).str), []).append(i)
         self.groups = [_Group(members, specs, self.config.rank) for members in keyed.values()]
-        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order sums of host buffers, by dtype
+        self._summers: dict[np.dtype, transport.Summer] = {}  # rank-order sums of host buffers, by dtype
         #: The Q the next compressed call uses, per parameter, transposed (``rank x m``, on the parameter's device).
         self.q: dict[int, Any] = {}
         #: This rank's error per parameter, shaped like the parameter (with error feedback only).
@@ -403,7 +403,7 @@ class LowRankPath:
             return f"PowerSGD {what} ({buf.nbytes} bytes, {g.dtype} on {g.device})"
 
         def allreduce(data: Any) -> int:
-            ordered = None
+            ordered: transport.Summer | None = None
             if isinstance(data, np.ndarray):
                 ordered = self._summers.get(data.dtype)
                 if ordered is None:

@@ -58,7 +58,7 @@ class Context:
         self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
         self.compression = compression
         #: The compression that only the sums across hosts take (two levels; the buckets are then uncompressed).
-        self.across_hosts = compression if compression is not None and self.hosts.two_levels else None
+        self.across_hosts = compression if compression is not None and self.hosts.casts_across else None
         first = plan.buffers[0].bucket if plan.buffers else None
         carried = (first is not None and backend.is_host(first.device)
                    and not (compression is not None and first.wire_dtype == compression.wire_dtype)
@@ -69,7 +69,7 @@ class Context:
         self._message: Any = None  # the carrier's first message: header, then its head
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
-        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order sums, by dtype
+        self._summers: dict[np.dtype, transport.Summer] = {}  # rank-order sums, by dtype
         self._head_count = 0 if first is None else min(first.count, max(1, HEAD_BYTES // first.wire_dtype.itemsize))
         #: The carrier when all of it travels in the first message (a small model's one bucket), else None.
         self.whole_with_header = self.carrier if first is not None and first.count <= self._head_count else None
@@ -151,7 +151,7 @@ class Context:
             self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer, header=False)
         return data[m:]
 
-    def summer(self, dtype: np.dtype) -> transport.OrderedSum:
+    def summer(self, dtype: np.dtype) -> transport.Summer:
         """The rank-order summer of ``dtype`` on the reducer's communicator (made once)."""
         summer = self._summers.get(dtype)
         if summer is None:

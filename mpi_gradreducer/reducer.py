@@ -160,7 +160,7 @@ class DistributedGradReducer:
         self._replay = Replay(self._local)
         if options.bucket_bytes is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES,
-                                                    compressed=not self._hosts.two_levels))
+                                                    compressed=not self._hosts.casts_across))
             self._build_plan(self._tuner.current())
         else:
             self._build_plan(options.bucket_bytes)
@@ -179,9 +179,9 @@ class DistributedGradReducer:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
         self._bucket_bytes = bucket_bytes
         self._replay.forget()
-        # in two levels, compressed gradients are summed as they are on each host and cast for the links only
+        # across hosts, compressed gradients are summed as they are on each host and cast for the links only
         self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local,
-                              compressed=not self._hosts.two_levels)
+                              compressed=not self._hosts.casts_across)
         self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression,
                                   self._hosts)
         self._paths = paths.assign(self._ctx)

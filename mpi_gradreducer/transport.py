@@ -13,7 +13,7 @@ from mpi4py.util import dtlib
 
 __all__ = [
     "CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Gather",
-    "OrderedSum", "allreduce",
+    "OrderedSum", "Summer", "allreduce",
     "cuda_support",
 ]
 
@@ -32,6 +32,9 @@ SPLIT_MEAN_BYTES = 256 << 10
 #: Chunks up to this size are summed in rank order by gathering them whole on
 #: every rank (one collective); larger ones one slice per rank (two).
 GATHERED_SUM_BYTES = 128 << 10
+#: What sums a host chunk in place across ranks, times a scale, and returns the collectives it made
+#: (an :class:`OrderedSum`, or a :class:`~mpi_gradreducer.compression.CastSum`).
+Summer = Callable[[np.ndarray, float], int]
 #: Members of a host bucket from which :class:`Gather` copies them in and out
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
 GATHER_MEMBERS = 8
@@ -44,7 +47,7 @@ def allreduce(
     chunk_bytes: int = CHUNK_BYTES,
     op: MPI.Op = MPI.SUM,
     after: Callable[[Any], None] | None = None,
-    ordered: OrderedSum | None = None,
+    ordered: Summer | None = None,
     every_chunk: bool = False,
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
@@ -125,7 +128,7 @@ class OrderedSum:
     """
 
     def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES,
-                 across: Callable[[np.ndarray, float], int] | None = None) -> None:
+                 across: Summer | None = None) -> None:
         self.comm = comm
         self.across = across
         self.dtype = np.dtype(dtype)

@@ -100,12 +100,12 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
 
 @pytest.mark.parametrize("n", COUNTS)
 def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: int):
-    """With fp16 in two levels: each host's float32 sum, divided by the ranks and rounded to float16, summed
+    """With fp16 across hosts: each host's float32 sum, divided by the ranks and rounded to float16, summed
     across hosts in float32 and rounded again, then scaled back; on one host the plain rank-order sum."""
     rows = _rows(n, np.float32, 11 + n)
-    groups = _groups(hosts)
     size, scale = WORLD.Get_size(), 0.25
-    if len(groups) == 1:
+    groups = _groups(hosts) if hosts.two_levels or not hosts.casts_across else [[r] for r in range(size)]
+    if not hosts.casts_across:
         expected = _in_order([rows[r] for r in groups[0]]) * np.float32(scale)
     else:
         wires = [(_in_order([rows[r] for r in g]) * np.float32(1.0 / size)).astype(np.float16) for g in groups]
