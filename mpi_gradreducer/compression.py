@@ -316,12 +316,13 @@ class SliceSum:
     """
 
     def __init__(self, comm: MPI.Comm, compression: Compression, chunk_bytes: int, method: str,
-                 across: SliceSum | None = None) -> None:
+                 across: SliceSum | None = None, wait: Callable[[MPI.Request], None] | None = None) -> None:
         if method not in _METHODS:
             raise ValueError(f"method: expected one of {_METHODS}, got {method!r}")
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
         self.comm = comm
+        self._moves = transport.Exchange(comm, wait)  # wait: see transport.Exchange
         self.across = across
         self.compression = compression
         self.method = method
@@ -367,10 +368,10 @@ class SliceSum:
         body = bits[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
         u16 = self.compression.mpi_datatype()
         recv = self._rows(size * block)
-        self.comm.Alltoall([body, u16], [recv, u16])
+        self._moves.alltoall([body, u16], [recv, u16])
         seg = chunk[self.rank * block : (self.rank + 1) * block]
         calls = 2 + self._sum(recv.view(self.compression.wire_dtype).reshape(size, block), seg, scale)
-        self.comm.Allgather(MPI.IN_PLACE, [body, u16])
+        self._moves.allgather(MPI.IN_PLACE, [body, u16])
         if body.shape[0] == n:
             return calls
         return calls + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
@@ -379,7 +380,7 @@ class SliceSum:
         """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it (a chunk shorter than the ranks)."""
         n, u16 = chunk.shape[0], self.compression.mpi_datatype()
         rows = self._rows(self.size * n)
-        self.comm.Allgather([chunk.view(np.uint16), u16], [rows, u16])
+        self._moves.allgather([chunk.view(np.uint16), u16], [rows, u16])
         return 1 + self._sum(rows.view(self.compression.wire_dtype).reshape(self.size, n), chunk, scale)
 
     def _sum(self, rows: Any, out: Any, scale: float) -> int:

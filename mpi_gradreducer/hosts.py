@@ -18,6 +18,7 @@ sum in host order, ``(g0 + g1) + (g2 + g3)`` where rank order is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from mpi4py import MPI
@@ -33,6 +34,8 @@ class Hosts:
     Args:
         comm: the reducer's communicator.
         two_levels: allow two levels where they apply (False: always flat).
+        wait: completes the summers' nonblocking data movement (see
+            :class:`~mpi_gradreducer.transport.Exchange`); None: blocking calls.
 
     Attributes:
         count: the number of hosts (the same on every rank).
@@ -45,8 +48,9 @@ class Hosts:
             one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
     """
 
-    def __init__(self, comm: MPI.Intracomm, two_levels: bool = True) -> None:
-        self.comm = comm
+    def __init__(self, comm: MPI.Intracomm, two_levels: bool = True,
+                 wait: Callable[[MPI.Request], None] | None = None) -> None:
+        self.comm, self.wait = comm, wait
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         local = node.Get_size()
         every = comm.allgather((local, node.Get_rank() == 0))
@@ -85,23 +89,24 @@ class Hosts:
             assert compression is not None
             f = compression.default_predivide(self.comm.Get_size()) if predivide is None else predivide
             if self.across is None:  # one rank on each host
-                return wire.CastSum(wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall"), dtype, f)
+                return wire.CastSum(self.slice_sum(compression, chunk_bytes), dtype, f)
         if self.node is None or self.across is None:
-            return transport.OrderedSum(self.comm, dtype, chunk_bytes)
-        across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes)
+            return transport.OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait)
+        across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait)
         if cast:
             assert compression is not None
-            across = wire.CastSum(wire.SliceSum(self.across, compression, chunk_bytes, "alltoall"), dtype, f)
-        return transport.OrderedSum(self.node, dtype, chunk_bytes, across=across)
+            across = wire.CastSum(wire.SliceSum(self.across, compression, chunk_bytes, "alltoall", wait=self.wait),
+                                  dtype, f)
+        return transport.OrderedSum(self.node, dtype, chunk_bytes, across=across, wait=self.wait)
 
     def slice_sum(self, compression: wire.Compression, chunk_bytes: int | None = None) -> wire.SliceSum:
         """A summer of 16-bit chunks in float32 (``chunk_bytes`` of wire data a collective, default
         :attr:`chunk_bytes`): two levels where they apply, else slices over ``comm``."""
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
         if self.node is None or self.across is None:
-            return wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall")
-        return wire.SliceSum(self.node, compression, chunk_bytes, "alltoall",
-                             across=wire.SliceSum(self.across, compression, chunk_bytes, "alltoall"))
+            return wire.SliceSum(self.comm, compression, chunk_bytes, "alltoall", wait=self.wait)
+        return wire.SliceSum(self.node, compression, chunk_bytes, "alltoall", wait=self.wait,
+                             across=wire.SliceSum(self.across, compression, chunk_bytes, "alltoall", wait=self.wait))
 
     def free(self) -> None:
         """Release the communicators of the two levels (collective). Idempotent."""

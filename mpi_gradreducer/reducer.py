@@ -17,6 +17,7 @@ from .fusion import distinct_caps, plan_for
 from .hosts import Hosts
 from .instrument import Instrument, ReducerStats
 from .lowrank import LowRankPath
+from .polling import Polling
 from .powersgd import PowerSGD
 from .replay import Replay
 from .steps import Overlap, ReductionStep
@@ -151,7 +152,10 @@ class DistributedGradReducer:
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
         #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
-        self._hosts = Hosts(self._comm, two_levels=not options.deterministic)
+        #: How the communication thread waits for its collectives (None: no thread, blocking calls).
+        self._polling = Polling() if self.progress == "thread" else None
+        self._hosts = Hosts(self._comm, two_levels=not options.deterministic,
+                            wait=None if self._polling is None else self._polling.wait)
         self._tuner: BucketTuner | None = None
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
         self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument, self._hosts) \
@@ -171,7 +175,7 @@ class DistributedGradReducer:
         self._calls = 0
         self._active: ReductionStep | None = None
         self._sharder: shard.Sharder | None = None
-        self._overlap = Overlap(self._comm, self.progress == "thread")
+        self._overlap = Overlap(self._comm, self._polling)
 
     # -- construction steps -----------------------------------------------------------
 

@@ -12,6 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .paths import run
+from .polling import Polling
 
 if TYPE_CHECKING:
     from .call import Call
@@ -175,14 +176,16 @@ class Overlap:
 
     Args:
         comm: the reducer's communicator.
-        thread: reduce launched buckets on a communication thread
-            (``progress="thread"``); else in ``wait()``.
+        polling: reduce launched buckets on a communication thread
+            (``progress="thread"``), whose waits it is told when the training
+            thread computes; None: in ``wait()``.
     """
 
-    def __init__(self, comm: MPI.Intracomm, thread: bool) -> None:
+    def __init__(self, comm: MPI.Intracomm, polling: Polling | None) -> None:
         self._control = comm.Dup()
         self._size = comm.Get_size()
-        self._use_thread = thread
+        self._use_thread = polling is not None
+        self._polling = polling
         self._thread: CommThread | None = None
         self._deferred: list[int] = []  # buckets launched but not yet reduced ("deferred" progress)
 
@@ -200,6 +203,7 @@ class Overlap:
         if self._use_thread and self._thread is None:
             self._thread = CommThread()
         call.on_thread = self._thread is not None
+        self._training(busy=True)
         return ReductionStep(
             call.caller, plan.bucket_of, [len(b.indices) for b in plan.buckets],
             lambda step, batch: self._launch(call, paths, step, batch),
@@ -214,8 +218,14 @@ class Overlap:
             self._control.Allgather(np.array([len(missing)], dtype=np.int64), counts)
         return counts
 
+    def _training(self, busy: bool) -> None:
+        """Tell the thread's waits whether the training thread computes (see :class:`.Polling`)."""
+        if self._polling is not None:
+            self._polling.computing(busy)
+
     def close(self) -> None:
         """Stop the thread and free the control communicator (collective). Idempotent."""
+        self._training(busy=False)
         if self._thread is not None:
             self._thread.close()
             self._thread = None
@@ -246,6 +256,7 @@ class Overlap:
     def _complete(self, call: Call, paths: Sequence[Any], sparse: Any, finish: Callable[[Call], None],
                   step: ReductionStep) -> Sequence[Any]:
         """``wait()``: agree on readiness, reduce what is left, report a rank that was not ready."""
+        self._training(busy=False)  # it waits for the reduction now: the thread polls at full speed
         missing = step.not_ready()
         counts = self.agree_on_readiness(missing)
         if counts.any():

@@ -12,7 +12,8 @@ from mpi4py import MPI
 from mpi4py.util import dtlib
 
 __all__ = [
-    "CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Gather",
+    "CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Exchange",
+    "Gather",
     "OrderedSum", "Summer", "allreduce",
     "cuda_support",
 ]
@@ -98,6 +99,31 @@ def allreduce(
     return calls
 
 
+class Exchange:
+    """The summers' data movement over ``comm``: blocking calls, or nonblocking ones that ``wait`` completes.
+
+    The bytes moved are the same either way (``wait``: e.g. :meth:`.Polling.wait`, the communication
+    thread's way of waiting without taking the training thread's core).
+    """
+
+    def __init__(self, comm: MPI.Comm, wait: Callable[[MPI.Request], None] | None = None) -> None:
+        self.comm, self.wait = comm, wait
+
+    def alltoall(self, send: Any, recv: Any) -> None:
+        """``Alltoall(send, recv)``."""
+        if self.wait is None:
+            self.comm.Alltoall(send, recv)
+        else:
+            self.wait(self.comm.Ialltoall(send, recv))
+
+    def allgather(self, send: Any, recv: Any) -> None:
+        """``Allgather(send, recv)`` (``send`` may be ``MPI.IN_PLACE``)."""
+        if self.wait is None:
+            self.comm.Allgather(send, recv)
+        else:
+            self.wait(self.comm.Iallgather(send, recv))
+
+
 class OrderedSum:
     """Sums host chunks of one dtype across ``comm`` in rank order, ``((g0 + g1) + g2) + ...``, then scales.
 
@@ -125,11 +151,13 @@ class OrderedSum:
         chunk_bytes: the largest chunk that will come (sizes the scratch buffers).
         across: the summer of the hosts' sums (an :class:`OrderedSum`, or a
             :class:`~mpi_gradreducer.compression.CastSum`), or None (``comm`` is all the ranks).
+        wait: completes the nonblocking data movement (see :class:`Exchange`); None: blocking calls.
     """
 
     def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES,
-                 across: Summer | None = None) -> None:
+                 across: Summer | None = None, wait: Callable[[MPI.Request], None] | None = None) -> None:
         self.comm = comm
+        self._moves = Exchange(comm, wait)
         self.across = across
         self.dtype = np.dtype(dtype)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
@@ -153,9 +181,9 @@ class OrderedSum:
         block = n // size
         body = chunk[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
         recv = self._rows(size * block)
-        self.comm.Alltoall([body, self._type], [recv, self._type])
+        self._moves.alltoall([body, self._type], [recv, self._type])
         calls = 2 + self._sum(recv.reshape(size, block), body[self.rank * block : (self.rank + 1) * block], scale)
-        self.comm.Allgather(MPI.IN_PLACE, [body, self._type])
+        self._moves.allgather(MPI.IN_PLACE, [body, self._type])
         if body.shape[0] == n:
             return calls
         return calls + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
@@ -164,7 +192,7 @@ class OrderedSum:
         """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it."""
         n = chunk.shape[0]
         rows = self._rows(self.size * n).reshape(self.size, n)
-        self.comm.Allgather([chunk, self._type], [rows, self._type])
+        self._moves.allgather([chunk, self._type], [rows, self._type])
         return 1 + self._sum(rows, chunk, scale)
 
     def _sum(self, rows: np.ndarray, out: np.ndarray, scale: float) -> int:

@@ -50,14 +50,15 @@ def _assert_bitwise(expected, got, what: str) -> None:
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("compression", [None, "fp16"])
 @pytest.mark.parametrize("views", [False, True], ids=["arrays", "views"])
 @pytest.mark.parametrize("bucket_bytes", [64 << 10, 25 << 20])
-def test_every_way_of_calling_gives_the_same_bits(views, bucket_bytes):
+def test_every_way_of_calling_gives_the_same_bits(views, bucket_bytes, compression):
     data = _data(WORLD, np.float32)
     expected = None
     for progress in ("thread", "deferred"):
         with DistributedGradReducer([np.zeros(s, np.float32) for s in SHAPES], bucket_bytes=bucket_bytes,
-                                    progress=progress) as reducer:
+                                    progress=progress, compression=compression) as reducer:
             for how, got in _every_way(reducer, WORLD, data, views):
                 got = [g.copy() for g in got]
                 if expected is None:

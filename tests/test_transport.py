@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import numpy as np
 import pytest
@@ -139,3 +140,45 @@ def test_scaled_copy_scales_complex_values_component_wise(compute):
         scaled_copy(src, dst, scale, compute)
         np.testing.assert_array_equal(dst.real, src.real * np.float32(scale))
         np.testing.assert_array_equal(dst.imag, src.imag * np.float32(scale))
+
+
+@pytest.mark.parametrize("computing", [False, True], ids=["training-waits", "training-computes"])
+@pytest.mark.parametrize("count", [3, 1000, 300_003])
+def test_polled_summers_move_the_same_bytes_as_blocking_ones(computing, count):
+    """An ordered sum whose ``Alltoall``/``Allgather`` are nonblocking and completed by :class:`Polling`
+    (the communication thread's way) gives the blocking summer's bits, on random float data."""
+    from mpi_gradreducer.polling import Polling
+
+    rng = np.random.default_rng([21, WORLD.Get_rank()])
+    mine = (rng.standard_normal(count) * 10 ** rng.uniform(-3, 3, count)).astype(np.float32)
+    polling = Polling()
+    polling.computing(computing)
+    blocking, polled = mine.copy(), mine.copy()
+    transport.OrderedSum(WORLD, np.float32, 1 << 20)(blocking, 0.25)
+    transport.OrderedSum(WORLD, np.float32, 1 << 20, wait=polling.wait)(polled, 0.25)
+    np.testing.assert_array_equal(polled.view(np.uint32), blocking.view(np.uint32))
+    assert_same_on_all_ranks(WORLD, [polled])
+
+
+def test_polling_naps_only_while_the_training_thread_computes():
+    """A request that completes late is tested every nap while computing, and without naps otherwise."""
+    from mpi_gradreducer.polling import Polling
+
+    class Late:
+        """Completes on the 20th test."""
+
+        def __init__(self) -> None:
+            self.tests = 0
+
+        def Test(self) -> bool:
+            self.tests += 1
+            return self.tests >= 20
+
+    polling = Polling(nap=0.005)
+    for busy, least, most in ((True, 19 * 0.005, 5.0), (False, 0.0, 0.05)):
+        polling.computing(busy)
+        request = Late()
+        t0 = time.perf_counter()
+        polling.wait(request)  # type: ignore[arg-type]
+        took = time.perf_counter() - t0
+        assert request.tests == 20 and least <= took <= most, (busy, took)
