@@ -36,7 +36,10 @@ class BlasThreads:
     """Limits the BLAS libraries of the process to ``threads`` within ``with self.limited():``.
 
     Args:
-        threads: the most threads a BLAS call may use (see :func:`share_of_cores`).
+        threads: the most threads a BLAS call may use (see ``share_of_cores``).
+
+    Attributes:
+        threads: that limit.
     """
 
     def __init__(self, threads: int) -> None:
@@ -45,7 +48,7 @@ class BlasThreads:
 
     @contextlib.contextmanager
     def limited(self) -> Iterator[None]:
-        """Within the block every loaded BLAS runs at most :attr:`threads` threads (its own count if lower)."""
+        """Within the block every loaded BLAS runs at most ``threads`` threads (its own count if lower)."""
         libs = [lib for lib in self._blas.info() if lib["num_threads"] > self.threads]
         if not libs:
             yield

@@ -434,7 +434,7 @@ class CastSum:
         summer: the 16-bit summer of the ranks with the same place on every host.
         dtype: the chunks' dtype (float32 or float64).
         predivide: each host's sum is divided by it before the cast (see
-            :meth:`Compression.scales`), and the result multiplied back.
+            ``Compression.scales``), and the result multiplied back.
     """
 
     def __init__(self, summer: SliceSum, dtype: Any, predivide: float) -> None:
