@@ -57,7 +57,8 @@ class Context:
         #: Which ranks share a host: it makes the summers (two levels across hosts); flat without it.
         self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
         self.compression = compression
-        #: The compression that only the sums across hosts take (two levels; the buckets are then uncompressed).
+        #: The compression that only the sums across hosts take (:attr:`.Hosts.casts_across`; the buckets are
+        #: then uncompressed).
         self.across_hosts = compression if compression is not None and self.hosts.casts_across else None
         first = plan.buffers[0].bucket if plan.buffers else None
         carried = (first is not None and backend.is_host(first.device)
