@@ -420,15 +420,17 @@ class SliceSum:
 
 
 class CastSum:
-    """Sums float32/float64 chunks across ``comm`` as 16-bit floats: cast, :class:`SliceSum`, cast back.
+    """Sums float32/float64 chunks as 16-bit floats with ``summer``: cast, :class:`SliceSum`, cast back.
 
-    The level across hosts of a compressed two-level sum
-    (:meth:`~mpi_gradreducer.hosts.Hosts.ordered_sum`): each host's ranks
-    sum their gradients as they are, over shared memory; only each host's sum
-    crosses the links, divided by ``predivide`` and rounded once to 16 bits,
-    where the hosts' sums are added in float32 and rounded again. Each rank
-    casts 1/(ranks per host) of the gradient each way, and each host sends
-    half the bytes of the uncompressed sum.
+    What crosses hosts where compression applies only there
+    (:meth:`~mpi_gradreducer.hosts.Hosts.ordered_sum`). In two levels it is
+    the level across hosts: each host's ranks sum their gradients as they
+    are, over shared memory, and only each host's sum crosses the links,
+    divided by ``predivide`` and rounded once to 16 bits, where the hosts'
+    sums are added in float32 and rounded again; each rank casts 1/(ranks per
+    host) of the gradient each way. With one rank on each host ``summer``
+    spans all the ranks, and each rank's chunk is cast where it lies. Either
+    way each host sends half the bytes of the uncompressed sum.
 
     Args:
         summer: the 16-bit summer of the ranks with the same place on every host.
@@ -443,7 +445,8 @@ class CastSum:
         self._wire = np.empty(0, summer.compression.wire_dtype)
 
     def __call__(self, chunk: Any, scale: float = 1.0) -> int:
-        """Sum ``chunk`` across ranks in place, times ``scale``; returns the collectives made."""
+        """Sum ``chunk`` (of :attr:`dtype`) across ranks in place, times ``scale``; returns the collectives made."""
+        assert chunk.dtype == self.dtype, (chunk.dtype, self.dtype)
         n = chunk.shape[0]
         if self._wire.shape[0] < n:
             self._wire = np.empty(n, self.summer.compression.wire_dtype)

@@ -291,9 +291,9 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
 
     Host gradients travel in their own dtype (float16 and bfloat16 too: each
     rank then sums one slice in float32); with compression, float32 and
-    float64 ones as 16-bit floats, unless not ``compressed`` (summed in two
-    levels, only the sums across hosts are: :meth:`.Hosts.ordered_sum`);
-    device halves in float32.
+    float64 ones as 16-bit floats, unless not ``compressed`` (across hosts
+    only what crosses them is: :attr:`.Hosts.casts_across`); device halves in
+    float32.
     """
     comp = get_compression(options.compression) if compressed else None
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from . import compression as wire, transport
@@ -44,6 +45,7 @@ class Hosts:
         two_levels: whether the summers it makes sum in two levels.
         casts_across: whether compression casts only what crosses hosts (two
             levels, or one rank on each of several hosts; see :meth:`ordered_sum`).
+        wait: what completes the summers' nonblocking data movement, or None.
         chunk_bytes: the bytes of one collective: ``transport.CHUNK_BYTES`` on
             one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
     """
@@ -88,14 +90,16 @@ class Hosts:
         if cast:
             assert compression is not None
             f = compression.default_predivide(self.comm.Get_size()) if predivide is None else predivide
+            wire_bytes = chunk_bytes * 2 // np.dtype(dtype).itemsize  # the largest chunk, in 16 bits
             if self.across is None:  # one rank on each host
-                return wire.CastSum(self.slice_sum(compression, chunk_bytes), dtype, f)
+                return wire.CastSum(self.slice_sum(compression, wire_bytes), dtype, f)
         if self.node is None or self.across is None:
             return transport.OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait)
         across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait)
         if cast:
             assert compression is not None
-            across = wire.CastSum(wire.SliceSum(self.across, compression, chunk_bytes, "alltoall", wait=self.wait),
+            block_bytes = max(2, wire_bytes // self.node.Get_size())  # a block of the host's sum, in 16 bits
+            across = wire.CastSum(wire.SliceSum(self.across, compression, block_bytes, "alltoall", wait=self.wait),
                                   dtype, f)
         return transport.OrderedSum(self.node, dtype, chunk_bytes, across=across, wait=self.wait)
 

@@ -25,7 +25,9 @@ class ReducerStats:
         messages: collective calls made with gradient data (buckets are sent
             in chunks of ``transport.CHUNK_BYTES``, adjacent buckets as one
             run; compressed and row-sparse collectives count too).
-        bytes: bytes handed to MPI, summed over calls.
+        bytes: bytes of the summed data in the format it is sent, summed over
+            calls (16 bits a value where compression casts it, also where
+            only what crosses hosts is cast).
         pack_seconds: time spent copying gradients into fusion buffers.
         allreduce_seconds: time spent in MPI (including in-place scaling).
         unpack_seconds: time spent copying results back (including scaling).

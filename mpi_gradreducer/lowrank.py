@@ -349,7 +349,7 @@ class LowRankPath:
                 m = matrices[i]
                 if finite and self.config.error_feedback:
                     e = g.approximation(i, 1.0 / contributors, out=self.error[i].reshape(m.shape))
-                    xp.subtract(m, e, out=e)  # e = M - P Q^T / c (M may be the gradient itself: before it)
+                    xp.subtract(m, e, out=e)  # e = M - (P (1/c)) Q^T (M may be the gradient itself: before it)
                 grad = call.grads[i]
                 if m is not self._scratch.get(i):  # M lies in the gradient: the product goes straight there
                     g.approximation(i, call.scale, out=m)

@@ -63,14 +63,14 @@ class Context:
         first = plan.buffers[0].bucket if plan.buffers else None
         carried = (first is not None and backend.is_host(first.device)
                    and not (compression is not None and first.wire_dtype == compression.wire_dtype)
-                   and not self.compressed_across(first.wire_dtype)  # all of a compressed bucket is summed so
+                   and not self.cast_across(first)  # all of a compressed bucket is summed so
                    and control.carries(first.wire_dtype, comm.Get_size()))
         #: The bucket whose first message carries the header, or None.
         self.carrier: int | None = 0 if carried else None
         self._message: Any = None  # the carrier's first message: header, then its head
         self._slots: Any = None  # its header, as real values
         self._body: Any = None  # the rest: the carrier's first elements
-        self._summers: dict[np.dtype, transport.Summer] = {}  # rank-order sums, by dtype
+        self._summers: dict[tuple[np.dtype, bool], transport.Summer] = {}  # by dtype and cast across hosts
         self._head_count = 0 if first is None else min(first.count, max(1, HEAD_BYTES // first.wire_dtype.itemsize))
         #: The carrier when all of it travels in the first message (a small model's one bucket), else None.
         self.whole_with_header = self.carrier if first is not None and first.count <= self._head_count else None
@@ -152,17 +152,20 @@ class Context:
             self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer, header=False)
         return data[m:]
 
-    def summer(self, dtype: np.dtype) -> transport.Summer:
-        """The rank-order summer of ``dtype`` on the reducer's communicator (made once)."""
-        summer = self._summers.get(dtype)
+    def summer(self, dtype: np.dtype, cast: bool = False) -> transport.Summer:
+        """The summer of ``dtype`` host chunks on the reducer's communicator (made once): in rank order, or in
+        two levels across hosts; with ``cast``, the sums cross hosts compressed (:meth:`cast_across`)."""
+        summer = self._summers.get((dtype, cast))
         if summer is None:
-            summer = self._summers[dtype] = self.hosts.ordered_sum(dtype, compression=self.across_hosts,
-                                                                   predivide=self.options.predivide)
+            summer = self._summers[dtype, cast] = self.hosts.ordered_sum(
+                dtype, compression=self.across_hosts if cast else None, predivide=self.options.predivide)
         return summer
 
-    def compressed_across(self, dtype: np.dtype) -> bool:
-        """Whether host sums of ``dtype`` cross the links compressed (then every chunk goes through :meth:`summer`)."""
-        return self.across_hosts is not None and self.across_hosts.applies_to(dtype)
+    def cast_across(self, bucket: Any) -> bool:
+        """Whether ``bucket``'s sums cross hosts compressed: a host bucket of a compressible dtype, with
+        :attr:`across_hosts` (every chunk then goes through :meth:`summer`, and counts 16 bits a value)."""
+        return (self.across_hosts is not None and backend.is_host(bucket.device)
+                and self.across_hosts.applies_to(bucket.dtype))
 
     def allreduce(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
         """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place, chunk by chunk.
@@ -173,8 +176,9 @@ class Context:
         if call.void or buf.shape[0] == 0:
             return
         after = call.finite_check(self.plan.buffers[k].limit)
-        ordered = self.summer(buf.dtype) if isinstance(buf, np.ndarray) else None
-        every_chunk = every_chunk or self.options.deterministic or self.compressed_across(buf.dtype)
+        cast = self.cast_across(self.plan.buffers[k].bucket)  # not a device bucket staged through host memory
+        ordered = self.summer(buf.dtype, cast) if isinstance(buf, np.ndarray) else None
+        every_chunk = every_chunk or self.options.deterministic or cast
         self.instrument.stats.messages += self.instrument.collective(
             self.describe(k), call.number, transport.allreduce, self.comm, buf, call.scale, self.hosts.chunk_bytes,
             after=after, ordered=ordered, every_chunk=every_chunk)
@@ -189,10 +193,8 @@ class Context:
         self.instrument.phases(call.number, ks, nbytes, t0, t1, t2, t3)
 
     def _wire_bytes(self, bucket: Any) -> int:
-        """``bucket``'s bytes in the format it crosses hosts (16 bits a value where compressed across)."""
-        if self.across_hosts is not None and self.compressed_across(bucket.wire_dtype):
-            return bucket.count * self.across_hosts.wire_dtype.itemsize
-        return int(bucket.nbytes)
+        """``bucket``'s bytes in the format it crosses hosts (16 bits a value where cast across hosts)."""
+        return bucket.count * 2 if self.cast_across(bucket) else int(bucket.nbytes)
 
 
 class PackedPath:
@@ -494,7 +496,7 @@ def assign(ctx: Context) -> list[Any]:
         are reduced together by :func:`run`.
     """
     host = HostPath(ctx)
-    compressed = CompressedPath(ctx) if ctx.compression is not None else None
+    compressed = CompressedPath(ctx) if ctx.compression is not None and ctx.across_hosts is None else None
     devices: dict[str, DevicePath] = {}
     halves: dict[str, HalfPath] = {}
     paths: list[Any] = []

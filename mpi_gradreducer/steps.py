@@ -12,11 +12,11 @@ import numpy as np
 from mpi4py import MPI
 
 from .paths import run
-from .polling import Polling
 
 if TYPE_CHECKING:
     from .call import Call
     from .fusion import FusionPlan
+    from .polling import Polling
 
 __all__ = ["CommThread", "Overlap", "ReductionStep"]
 

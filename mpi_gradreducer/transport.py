@@ -12,10 +12,8 @@ from mpi4py import MPI
 from mpi4py.util import dtlib
 
 __all__ = [
-    "CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES", "Exchange",
-    "Gather",
-    "OrderedSum", "Summer", "allreduce",
-    "cuda_support",
+    "CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHERED_SUM_BYTES", "GATHER_MEMBERS", "SPLIT_MEAN_BYTES",
+    "Exchange", "Gather", "OrderedSum", "Summer", "allreduce", "cuda_support",
 ]
 
 #: Largest single Allreduce. MPICH's shared-memory Allreduce is markedly slower
@@ -33,12 +31,12 @@ SPLIT_MEAN_BYTES = 256 << 10
 #: Chunks up to this size are summed in rank order by gathering them whole on
 #: every rank (one collective); larger ones one slice per rank (two).
 GATHERED_SUM_BYTES = 128 << 10
-#: What sums a host chunk in place across ranks, times a scale, and returns the collectives it made
-#: (an :class:`OrderedSum`, or a :class:`~mpi_gradreducer.compression.CastSum`).
-Summer = Callable[[np.ndarray, float], int]
 #: Members of a host bucket from which :class:`Gather` copies them in and out
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
 GATHER_MEMBERS = 8
+#: What sums a host chunk in place across ranks, times a scale, and returns the collectives it made
+#: (an :class:`OrderedSum`, or a :class:`~mpi_gradreducer.compression.CastSum`).
+Summer = Callable[[np.ndarray, float], int]
 
 
 def allreduce(
@@ -70,8 +68,9 @@ def allreduce(
         chunk_bytes: bytes per collective.
         op: the MPI reduction.
         after: called with each reduced (and scaled) chunk.
-        ordered: the rank-order summer of ``buf``'s dtype on ``comm`` (its
-            scratch buffers are reused); made for this call when needed and None.
+        ordered: the summer of ``buf``'s dtype on ``comm`` (rank order, or
+            two levels, or 16 bits across hosts: a :data:`Summer`; its scratch
+            buffers are reused); a rank-order one is made for this call when needed and None.
         every_chunk: sum every chunk in rank order (host buffers, ``MPI.SUM``).
 
     Returns:
