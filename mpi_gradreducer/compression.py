@@ -288,6 +288,10 @@ def compressed_allreduce(
 
 
 _METHODS = ("alltoall", "allreduce")
+#: Pieces of a chunk that :class:`CastSum` casts while the piece before travels (:meth:`SliceSum.pipelined`).
+#: ResNet-50 with fp16 at 1 Gbit/s, over the uncompressed call: 2 hosts x 2 ranks 0.55 (1 piece), 0.59 (2),
+#: 0.51 (4), 0.51 (8); 4 hosts x 1 rank 0.61, 1.00 (a stalled run), 0.52, 0.51.
+CAST_PIECES = 4
 
 
 @functools.cache
@@ -330,6 +334,7 @@ class SliceSum:
         self.rank = comm.Get_rank()
         self.step = max(1, int(chunk_bytes) // compression.wire_dtype.itemsize)
         self._recv: Any = None
+        self._recv2: Any = None  # a second receive buffer: pipelined pieces in flight
         self._acc: Any = None
         self._tmp: Any = None
 
@@ -375,6 +380,65 @@ class SliceSum:
         if body.shape[0] == n:
             return calls
         return calls + self._gathered(chunk[body.shape[0] :], scale)  # the last n % size elements
+
+    def pipelined(self, src: Any, wire: Any, pre: float, post: float, pieces: int) -> int:
+        """Sum the float32/float64 ``src`` (1-D) across ranks as 16 bits, in place, times ``post``, in
+        ``pieces`` equal pieces: each piece travels while the next is cast and the one before cast back.
+
+        Every element is what casting ``src * pre`` into ``wire`` (as many wire elements), :meth:`__call__`
+        and casting back times ``post`` give: the float32 sum of the ranks' 16-bit values in rank order,
+        rounded once, whatever the pieces. A flat summer (no ``across``) of the default method. Returns the
+        collectives made.
+        """
+        assert self.across is None and self.method == "alltoall"
+        size, n = self.size, src.shape[0]
+        length = (n // max(1, pieces)) // size * size  # each piece: equal slices, one per rank
+        done = 0
+        calls = 0
+        if size > 1 and length > 0:
+            block, u16 = length // size, self.compression.mpi_datatype()
+            recvs = self._pair(size * block)
+            alltoalls: dict[int, MPI.Request] = {}
+            allgathers: dict[int, MPI.Request] = {}
+
+            def start(j: int) -> None:  # cast piece j, send its slices
+                part = slice(j * length, (j + 1) * length)
+                pack(src[part], wire[part], pre)
+                alltoalls[j] = self._moves.comm.Ialltoall([wire[part].view(np.uint16), u16], [recvs[j % 2], u16])
+
+            def middle(j: int) -> None:  # sum this rank's slice of piece j, share it
+                self._moves.complete(alltoalls.pop(j))
+                w = wire[j * length : (j + 1) * length]
+                rows = recvs[j % 2].view(self.compression.wire_dtype).reshape(size, block)
+                self._sum_rows(rows, w[self.rank * block : (self.rank + 1) * block], 1.0)
+                allgathers[j] = self._moves.comm.Iallgather(MPI.IN_PLACE, [w.view(np.uint16), u16])
+
+            def finish(j: int) -> None:  # cast piece j back
+                self._moves.complete(allgathers.pop(j))
+                part = slice(j * length, (j + 1) * length)
+                unpack(wire[part], src[part], post)
+
+            for j in range(pieces + 2):  # the same order of collectives on every rank
+                if j < pieces:
+                    start(j)
+                if 0 <= j - 1 < pieces:
+                    middle(j - 1)
+                if 0 <= j - 2 < pieces:
+                    finish(j - 2)
+            done, calls = pieces * length, 2 * pieces
+        if done < n:  # the rest (shorter than a piece of equal slices), in one go
+            rest = slice(done, n)
+            pack(src[rest], wire[rest], pre)
+            calls += self(wire[rest])
+            unpack(wire[rest], src[rest], post)
+        return calls
+
+    def _pair(self, count: int) -> tuple[Any, Any]:
+        """Two receive buffers of ``count`` elements (the accumulators sized for them): pieces in flight."""
+        first = self._rows(count)
+        if self._recv2 is None or self._recv2.shape[0] < count:
+            self._recv2 = np.empty(count, dtype=np.uint16)
+        return first, self._recv2[:count]
 
     def _gathered(self, chunk: Any, scale: float) -> int:
         """Sum ``chunk`` whole on every rank, from one ``Allgather`` of it (a chunk shorter than the ranks)."""
@@ -430,7 +494,9 @@ class CastSum:
     sums are added in float32 and rounded again; each rank casts 1/(ranks per
     host) of the gradient each way. With one rank on each host ``summer``
     spans all the ranks, and each rank's chunk is cast where it lies. Either
-    way each host sends half the bytes of the uncompressed sum.
+    way each host sends half the bytes of the uncompressed sum, and a chunk
+    goes in :data:`CAST_PIECES` pieces, each cast while the one before
+    travels (:meth:`SliceSum.pipelined`).
 
     Args:
         summer: the 16-bit summer of the ranks with the same place on every host.
@@ -440,6 +506,8 @@ class CastSum:
     """
 
     def __init__(self, summer: SliceSum, dtype: Any, predivide: float) -> None:
+        if summer.across is not None or summer.method != "alltoall":
+            raise ValueError("summer: expected a flat SliceSum of the default method")
         self.summer, self.dtype = summer, np.dtype(dtype)
         self.pre, self.post = 1.0 / predivide, float(predivide)
         self._wire = np.empty(0, summer.compression.wire_dtype)
@@ -450,8 +518,4 @@ class CastSum:
         n = chunk.shape[0]
         if self._wire.shape[0] < n:
             self._wire = np.empty(n, self.summer.compression.wire_dtype)
-        wire = self._wire[:n]
-        pack(chunk, wire, self.pre)
-        calls = self.summer(wire)
-        unpack(wire, chunk, self.post * scale)
-        return calls
+        return self.summer.pipelined(chunk, self._wire[:n], self.pre, self.post * scale, CAST_PIECES)

@@ -122,6 +122,13 @@ class Exchange:
         else:
             self.wait(self.comm.Iallgather(send, recv))
 
+    def complete(self, request: MPI.Request) -> None:
+        """Return when ``request`` (a nonblocking call of this exchange's) has completed."""
+        if self.wait is None:
+            request.Wait()
+        else:
+            self.wait(request)
+
 
 class OrderedSum:
     """Sums host chunks of one dtype across ``comm`` in rank order, ``((g0 + g1) + g2) + ...``, then scales.

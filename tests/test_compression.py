@@ -17,6 +17,7 @@ from conftest import WORLD, assert_same_on_all_ranks
 from mpi_gradreducer.compression import (
     COMPRESSIONS,
     Compression,
+    SliceSum,
     compressed_allreduce,
     get_compression,
     pack,
@@ -299,3 +300,28 @@ def test_bad_arguments(comp):
     with pytest.raises(ValueError, match=r"chunk_bytes: expected a positive int, got 0"):
         compressed_allreduce(WORLD, wire, comp, 0)
 
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("n", [0, 2, 5, 1000, 40_003])
+def test_pipelined_cast_sum_gives_the_bits_of_one_piece(name, n):
+    """``SliceSum.pipelined`` (cast, send and cast back in pieces that overlap) gives, for any number of pieces,
+    the bits of casting the whole chunk, one ``__call__`` and casting back, on random float32 data."""
+    if name == "bf16":
+        pytest.importorskip("ml_dtypes")  # installed by the test extra on every rank alike
+    comp = get_compression(name)
+    rng = np.random.default_rng([5, n, WORLD.Get_rank()])
+    src = (rng.standard_normal(n) * 10 ** rng.uniform(-3, 3, n)).astype(np.float32)
+    pre, post = 1.0 / WORLD.Get_size(), WORLD.Get_size() * 0.25
+    summer = SliceSum(WORLD, comp, 64 << 10, "alltoall")
+    wire = np.empty(n, comp.wire_dtype)
+    expected = src.copy()
+    pack(expected, wire, pre)
+    summer(wire)
+    unpack(wire, expected, post)
+    for pieces in (1, 2, 3, 4, 8):
+        got = src.copy()
+        summer.pipelined(got, np.empty(n, comp.wire_dtype), pre, post, pieces)
+        np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32), err_msg=f"{pieces} pieces")
+    assert_same_on_all_ranks(WORLD, [expected])
