@@ -339,7 +339,7 @@ class SliceSum:
         self._tmp: Any = None
 
     def reduce(self, buf: Any, scale: float = 1.0, after: Callable[[Any], None] | None = None) -> int:
-        """Sum the 1-D wire buffer ``buf`` chunk by chunk (:meth:`__call__` each); returns the collectives made.
+        """Sum the 1-D wire buffer ``buf`` chunk by chunk (``__call__`` each); returns the collectives made.
 
         ``after`` is called with each reduced chunk.
         """
@@ -385,7 +385,7 @@ class SliceSum:
         """Sum the float32/float64 ``src`` (1-D) across ranks as 16 bits, in place, times ``post``, in
         ``pieces`` equal pieces: each piece travels while the next is cast and the one before cast back.
 
-        Every element is what casting ``src * pre`` into ``wire`` (as many wire elements), :meth:`__call__`
+        Every element is what casting ``src * pre`` into ``wire`` (as many wire elements), ``__call__``
         and casting back times ``post`` give: the float32 sum of the ranks' 16-bit values in rank order,
         rounded once, whatever the pieces. A flat summer (no ``across``) of the default method. Returns the
         collectives made.
