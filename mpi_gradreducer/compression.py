@@ -418,13 +418,17 @@ class SliceSum:
                 part = slice(j * length, (j + 1) * length)
                 unpack(wire[part], src[part], post)
 
-            for j in range(pieces + 2):  # the same order of collectives on every rank
-                if j < pieces:
-                    start(j)
-                if 0 <= j - 1 < pieces:
-                    middle(j - 1)
-                if 0 <= j - 2 < pieces:
-                    finish(j - 2)
+            try:
+                for j in range(pieces + 2):  # the same order of collectives on every rank
+                    if j < pieces:
+                        start(j)
+                    if 0 <= j - 1 < pieces:
+                        middle(j - 1)
+                    if 0 <= j - 2 < pieces:
+                        finish(j - 2)
+            except BaseException:
+                MPI.Request.Waitall([*alltoalls.values(), *allgathers.values()])  # MPI still writes the buffers
+                raise
             done, calls = pieces * length, 2 * pieces
         if done < n:  # the rest (shorter than a piece of equal slices), in one go
             rest = slice(done, n)
