@@ -151,9 +151,9 @@ class DistributedGradReducer:
         self._instrument = Instrument(self._comm, options)
         self.stats = self._instrument.stats
         self._compression = get_compression(options.compression)
-        #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
         #: How the communication thread waits for its collectives (None: no thread, blocking calls).
         self._polling = Polling() if self.progress == "thread" else None
+        #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
         self._hosts = Hosts(self._comm, two_levels=not options.deterministic,
                             wait=None if self._polling is None else self._polling.wait)
         self._tuner: BucketTuner | None = None
