@@ -194,7 +194,9 @@ class Context:
 
     def _wire_bytes(self, bucket: Any) -> int:
         """``bucket``'s bytes in the format it crosses hosts (16 bits a value where cast across hosts)."""
-        return bucket.count * 2 if self.cast_across(bucket) else int(bucket.nbytes)
+        if self.across_hosts is not None and self.cast_across(bucket):
+            return bucket.count * self.across_hosts.wire_dtype.itemsize
+        return int(bucket.nbytes)
 
 
 class PackedPath:

@@ -271,9 +271,7 @@ def poll(handle: Handle) -> bool:
     Raises:
         TypeError: ``handle`` is not a handle of this module.
     """
-    if not isinstance(handle, Handle):
-        raise TypeError(f"poll: handle: expected a handle from an *_async call, got {type(handle).__name__}")
-    return handle.poll()
+    return _handle("poll", handle).poll()
 
 
 def synchronize(handle: Handle) -> Any:
@@ -282,9 +280,14 @@ def synchronize(handle: Handle) -> Any:
     Raises:
         TypeError: ``handle`` is not a handle of this module.
     """
+    return _handle("synchronize", handle).wait()
+
+
+def _handle(what: str, handle: Any) -> Handle:
+    """``handle``, refused with a ``TypeError`` naming ``what`` unless it is a handle of this module."""
     if not isinstance(handle, Handle):
-        raise TypeError(f"synchronize: handle: expected a handle from an *_async call, got {type(handle).__name__}")
-    return handle.wait()
+        raise TypeError(f"{what}: handle: expected a handle from an *_async call, got {type(handle).__name__}")
+    return handle
 
 
 # -- allreduce --------------------------------------------------------------------------------------
