@@ -10,12 +10,13 @@ Example::
     reducer(grads)  # averaged across ranks, in place
 """
 
-from .groups import broadcast_parameters, create_group, local_rank, select_device
-from .planning import Bucket
-from .powersgd import PowerSGD
+from ._core.groups import broadcast_parameters, create_group, local_rank, select_device
+from ._core.planning import Bucket
+from ._core.powersgd import PowerSGD
+from ._core.shard import Piece, Shard
+from ._core.sparse import RowSparse
+from ._core.steps import ReductionStep
 from .reducer import DistributedGradReducer, ReducerStats
-from .shard import Piece, Shard
-from .sparse import RowSparse
 
 #: This version of the package, written only here (setup.cfg and the docs read it).
 #: A string such as "0.5.0".
@@ -27,6 +28,7 @@ __all__ = [
     "Piece",
     "PowerSGD",
     "ReducerStats",
+    "ReductionStep",
     "RowSparse",
     "Shard",
     "broadcast_parameters",

@@ -18,8 +18,9 @@ import mpi4py
 import numpy as np
 from mpi4py import MPI
 
-from . import __version__, config
-from .groups import processor_names
+from . import __version__
+from ._core import config
+from ._core.groups import processor_names
 
 __all__ = ["collect", "format_report", "main"]
 

@@ -9,20 +9,20 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import config, control, paths, shard
-from .call import Call, close, open_call, settle
-from .compression import get_compression
-from .config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
-from .fusion import distinct_caps, plan_for
-from .hosts import Hosts
-from .instrument import Instrument, ReducerStats
-from .lowrank import LowRankPath
-from .polling import Polling
-from .powersgd import PowerSGD
-from .replay import Replay
-from .steps import Overlap, ReductionStep
-from .tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
-from .validation import Checked, check_grads
+from ._core import config, control, paths, shard
+from ._core.call import Call, close, open_call, settle
+from ._core.compression import get_compression
+from ._core.config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
+from ._core.fusion import distinct_caps, plan_for
+from ._core.hosts import Hosts
+from ._core.instrument import Instrument, ReducerStats
+from ._core.lowrank import LowRankPath
+from ._core.polling import Polling
+from ._core.powersgd import PowerSGD
+from ._core.replay import Replay
+from ._core.steps import Overlap, ReductionStep
+from ._core.tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
+from ._core.validation import Checked, check_grads
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
 
@@ -278,7 +278,7 @@ class DistributedGradReducer:
     def reduce_scatter(self, grads: Sequence[Any]) -> shard.Shard:
         """Like ``reducer(grads)``, but this rank receives only its pieces of the result (collective).
 
-        For ZeRO-style sharded optimizers (``mpi_gradreducer.shard``): ``shard.allgather(params)`` then
+        For ZeRO-style sharded optimizers (``mpi_gradreducer._core.shard``): ``shard.allgather(params)`` then
         shares the updated pieces; ``grads`` are left as they are. Raises ``ValueError``/``TypeError`` on
         every rank for bad gradients on any rank (arrays only, validated as by the blocking call), for a
         rank in ``join()``, for a plain call on another rank, or with ``compression=PowerSGD(...)``.

@@ -47,11 +47,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from . import agreement, backend, groups, interop, planning
+from ._core import agreement, backend, groups, interop, planning
+from ._core.rendezvous import tcp_rendezvous
+from ._core.shard import Shard
+from ._core.steps import ReductionStep
 from .reducer import DistributedGradReducer
-from .rendezvous import tcp_rendezvous
-from .shard import Shard
-from .steps import ReductionStep
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",
            "init_gloo"]
@@ -551,7 +551,7 @@ def init_gloo(comm: MPI.Intracomm | None = None, timeout: float = 300.0) -> None
     For a comparison with DDP, or torch code that needs a process group
     beside the reducer: rank ``r`` of ``comm`` is rank ``r`` of the group.
     The ranks meet at an address of rank 0 that every rank can reach
-    (:func:`~mpi_gradreducer.rendezvous.tcp_rendezvous`; ``127.0.0.1`` where
+    (``tcp_rendezvous``; ``127.0.0.1`` where
     they share one host), and gloo binds to the interface that leads there,
     unless ``GLOO_SOCKET_IFNAME`` is set already. Across hosts whose host
     names resolve to a loopback address, torch's own defaults would leave
@@ -661,7 +661,7 @@ def clip_grad_norm_(target: DistributedOptimizer | Shard, max_norm: float, norm_
     For a :class:`DistributedOptimizer`, call it between ``synchronize()``
     and ``step()`` (inside ``skip_synchronize()``): every rank then holds the
     same averaged gradients, and this is ``torch.nn.utils.clip_grad_norm_``
-    over them. For a sharded step (a :class:`~mpi_gradreducer.shard.Shard`
+    over them. For a sharded step (a :class:`~mpi_gradreducer.Shard`
     from ``reducer.reduce_scatter``), each rank holds only its pieces: their
     norms are combined across the ranks (one small Allreduce), and every
     rank scales its pieces by the same factor.

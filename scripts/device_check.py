@@ -90,7 +90,7 @@ try:
 except Exception as exc:
     print(f"no usable cupy: {type(exc).__name__}: {exc}")
     sys.exit(1)
-from mpi_gradreducer import backend
+from mpi_gradreducer._core import backend
 
 pairs = [("float32", "float32"), ("float16", "float32"), ("float64", "float64"), ("complex64", "complex64")]
 try:

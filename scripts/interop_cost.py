@@ -17,7 +17,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from mpi_gradreducer import DistributedGradReducer, interop
+from mpi_gradreducer import DistributedGradReducer
+from mpi_gradreducer._core import interop
 from mpi_gradreducer.bench import many_small, resnet50
 
 

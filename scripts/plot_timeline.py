@@ -1,4 +1,4 @@
-"""Draw a trace written by ``mpi_gradreducer.timeline.Timeline`` as a PNG.
+"""Draw a trace written by ``mpi_gradreducer._core.timeline.Timeline`` as a PNG.
 
 One row per rank, one coloured bar per recorded phase; a phase nested in
 another (e.g. one bucket's Allreduce inside "reduce") is drawn as a thinner

@@ -38,8 +38,9 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
-from mpi_gradreducer import DistributedGradReducer, control
-from mpi_gradreducer.call import open_call
+from mpi_gradreducer import DistributedGradReducer
+from mpi_gradreducer._core import control
+from mpi_gradreducer._core.call import open_call
 
 #: The digits MLP 64-128-10: two weight matrices and two biases.
 MLP: list[tuple[int, ...]] = [(64, 128), (128,), (128, 10), (10,)]

@@ -31,7 +31,7 @@ from digits_report import plot, progress_bar
 from mpi4py import MPI
 
 from mpi_gradreducer import DistributedGradReducer, PowerSGD, broadcast_parameters
-from mpi_gradreducer.timeline import Timeline
+from mpi_gradreducer._core.timeline import Timeline
 
 # -- data: each rank's share of every global batch -----------------------------------------
 

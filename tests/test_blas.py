@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from mpi_gradreducer.blas import BlasThreads, share_of_cores
+from mpi_gradreducer._core.blas import BlasThreads, share_of_cores
 
 
 def _counts() -> list[int]:

@@ -14,7 +14,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer.compression import (
+from mpi_gradreducer._core.compression import (
     COMPRESSIONS,
     Compression,
     SliceSum,

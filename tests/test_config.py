@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpi_gradreducer import config
-from mpi_gradreducer.planning import ParamSpec
+from mpi_gradreducer._core import config
+from mpi_gradreducer._core.planning import ParamSpec
 
 SPECS = (ParamSpec((3, 2), np.dtype(np.float32)), ParamSpec((4,), np.dtype(np.float64)))
 DEFAULTS = dict(mean=True, degree=None, fusion_type=1, fusion=None, split_indices=None, bucket_bytes=1 << 20,

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.config import cuda_aware_default as cuda_support
+from mpi_gradreducer._core.config import cuda_aware_default as cuda_support
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 
@@ -103,7 +103,7 @@ def test_kernel_bfloat16_conversions_match_ml_dtypes(cupy):
     bf16 = _bfloat16(cupy)
     if bf16 is None:
         pytest.skip("this cupy has no bfloat16 arrays (cupy >= 14 has)")
-    from mpi_gradreducer import backend
+    from mpi_gradreducer._core import backend
 
     bits = np.arange(1 << 16, dtype=np.uint16)
     member = cupy.asarray(bits.view(bf16))
@@ -121,7 +121,7 @@ def test_kernel_bfloat16_conversions_match_ml_dtypes(cupy):
 
 @pytest.mark.parametrize("scale", [1.0, 0.5])
 def test_kernel_keeps_float32_denormals_like_the_host(cupy, scale):
-    from mpi_gradreducer import backend
+    from mpi_gradreducer._core import backend
 
     values = np.array([1e-40, -3e-39, 1e-45, 1.1e-38, 2.5, 0.0], np.float32)
     member = cupy.asarray(values)
@@ -148,7 +148,7 @@ def test_broadcast_parameters_copies_root_device_arrays(cupy):
 
 
 def test_device_streams_are_separate_and_events_order_them(cupy):
-    from mpi_gradreducer import backend
+    from mpi_gradreducer._core import backend
 
     ops = backend.ops_for(f"cuda:{cupy.cuda.Device().id}")
     streams = {ops._d2h.ptr, ops._h2d.ptr, ops._work.ptr}

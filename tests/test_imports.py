@@ -74,8 +74,9 @@ def test_the_graph_sees_the_package():
     graph = import_graph()
     assert {NAME, f"{NAME}.reducer", f"{NAME}.bench", f"{NAME}.bench.host"} <= set(graph)
     # relative imports, `from . import x` and lazy imports inside functions are all seen
-    assert f"{NAME}.abort" in graph[f"{NAME}.watchdog"] and f"{NAME}.abort" in graph[f"{NAME}.excepthook"]
-    assert f"{NAME}.agreement" in graph[f"{NAME}.control"]
+    core = f"{NAME}._core"
+    assert f"{core}.abort" in graph[f"{core}.watchdog"] and f"{core}.abort" in graph[f"{core}.excepthook"]
+    assert f"{NAME}._core.agreement" in graph[f"{NAME}._core.control"]
     assert f"{NAME}.reducer" in graph[f"{NAME}.bench.environment"]
 
 

@@ -17,7 +17,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, everywhere, expected_mean, rank_value
-from mpi_gradreducer import DistributedGradReducer, interop
+from mpi_gradreducer import DistributedGradReducer
+from mpi_gradreducer._core import interop
 
 
 def _has_torch() -> bool:

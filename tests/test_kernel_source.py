@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from mpi_gradreducer import backend
+from mpi_gradreducer._core import backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 

@@ -2,7 +2,7 @@
 
 Under ``scripts/cluster.py run --hosts 2 --ppn 2`` (the suite's stage across
 hosts) the reducer's communicator spans hosts with several ranks on each, and
-the summers of :class:`~mpi_gradreducer.hosts.Hosts` have two levels; on one
+the summers of :class:`~mpi_gradreducer._core.hosts.Hosts` have two levels; on one
 host they are flat, in rank order. Either way each test computes, from every
 rank's random float data, the exact bits the order must give, and the
 summers must give them for every chunk size.
@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from conftest import WORLD
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.compression import get_compression
-from mpi_gradreducer.hosts import Hosts
+from mpi_gradreducer._core.compression import get_compression
+from mpi_gradreducer._core.hosts import Hosts
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -150,7 +150,7 @@ def test_reducer_means_are_the_same_bits_however_called(views: bool, compression
 def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: str):
     """Decided from the processor names of the communicator's ranks: the same answer on every rank."""
     from mpi_gradreducer import create_group
-    from mpi_gradreducer.groups import processor_names
+    from mpi_gradreducer._core.groups import processor_names
 
     size = WORLD.Get_size()
     ranks = {"all": range(size), "first three": range(min(3, size)), "even ranks": range(0, size, 2)}[members]

@@ -2,7 +2,7 @@
 
 ``validation.check_grads`` and the header (``control.Local``, ``Summary``,
 ``carries``, ``lead``) are pure and tested in one process; ``control.settle``
-and the paths of :mod:`mpi_gradreducer.paths`, driven directly through a
+and the paths of :mod:`mpi_gradreducer._core.paths`, driven directly through a
 ``paths.Context``, are collective.
 """
 
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from conftest import WORLD
-from mpi_gradreducer import RowSparse, config, control, paths
-from mpi_gradreducer.call import open_call, settle as settle_call
-from mpi_gradreducer.compression import get_compression
-from mpi_gradreducer.fusion import plan_for
-from mpi_gradreducer.instrument import Instrument
-from mpi_gradreducer.validation import check_grads
+from mpi_gradreducer import RowSparse
+from mpi_gradreducer._core import config, control, paths
+from mpi_gradreducer._core.call import open_call, settle as settle_call
+from mpi_gradreducer._core.compression import get_compression
+from mpi_gradreducer._core.fusion import plan_for
+from mpi_gradreducer._core.instrument import Instrument
+from mpi_gradreducer._core.validation import check_grads
 
 
 def _options(specs, **kwargs: Any) -> config.Options:

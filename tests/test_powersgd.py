@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
 from mpi_gradreducer import DistributedGradReducer, PowerSGD
-from mpi_gradreducer.powersgd import draw_q, orthonormalise
+from mpi_gradreducer._core.powersgd import draw_q, orthonormalise
 
 SHAPES64 = [(24, 18), (18,), (3, 4), (12, 2, 3, 3)]  # compressed at rank 2: 0 and 3
 SHAPES32 = [(20, 30), (30,), (8, 3, 2, 2)]  # compressed at rank 2: 0 and 2
@@ -440,7 +440,7 @@ def test_powersgd_checks_its_arguments(kwargs, error, message):
 
 
 def test_which_gradients_are_compressed():
-    from mpi_gradreducer.planning import ParamSpec
+    from mpi_gradreducer._core.planning import ParamSpec
 
     config = PowerSGD(rank=2, min_compression_rate=2.0)
     f32 = np.dtype(np.float32)
@@ -492,7 +492,7 @@ def _resnet50_bytes(grads: list[np.ndarray]) -> None:
 
 
 def _spec(g: np.ndarray):
-    from mpi_gradreducer.planning import ParamSpec
+    from mpi_gradreducer._core.planning import ParamSpec
 
     return ParamSpec(g.shape, g.dtype)
 

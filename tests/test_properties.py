@@ -40,7 +40,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, agree_on_failures, lockstep_settings
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.dtypes import supported_dtypes
+from mpi_gradreducer._core.dtypes import supported_dtypes
 
 pytestmark = pytest.mark.mpi
 

@@ -8,7 +8,7 @@ from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer, broadcast_parameters, create_group
-from mpi_gradreducer.dtypes import supported_dtypes
+from mpi_gradreducer._core.dtypes import supported_dtypes
 
 pytestmark = pytest.mark.mpi
 
@@ -150,7 +150,7 @@ def test_bucket_views_are_reduced_where_they_lie(comm):
 
 def _levels(comm) -> list[int]:
     """The ranks of each level of the reducer's rank-order sums: per host, then hosts; or all ranks at once."""
-    from mpi_gradreducer.hosts import Hosts
+    from mpi_gradreducer._core.hosts import Hosts
 
     hosts = Hosts(comm)
     try:
@@ -161,7 +161,7 @@ def _levels(comm) -> list[int]:
 
 def _chunk_bytes(comm) -> int:
     """The bytes of one collective of the reducer's sums (smaller across hosts)."""
-    from mpi_gradreducer.hosts import Hosts
+    from mpi_gradreducer._core.hosts import Hosts
 
     hosts = Hosts(comm)
     try:
@@ -186,8 +186,8 @@ def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
 
 
 def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
-    from mpi_gradreducer.paths import HEAD_BYTES
-    from mpi_gradreducer.transport import GATHERED_SUM_BYTES
+    from mpi_gradreducer._core.paths import HEAD_BYTES
+    from mpi_gradreducer._core.transport import GATHERED_SUM_BYTES
 
     shapes = [(700, 1024), (3,), (300, 1024), (5, 5), (1200, 1024), (17,)]  # large and small, float32
     params = _params(shapes)

@@ -17,8 +17,8 @@ from mpi4py import MPI
 
 from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.replay import Replay, numpy_layout, sequence_layout
-from mpi_gradreducer.validation import check_grads
+from mpi_gradreducer._core.replay import Replay, numpy_layout, sequence_layout
+from mpi_gradreducer._core.validation import check_grads
 
 pytestmark = pytest.mark.mpi
 

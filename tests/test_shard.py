@@ -8,9 +8,9 @@ from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
 from mpi_gradreducer import DistributedGradReducer, RowSparse
-from mpi_gradreducer.dtypes import supported_dtypes
-from mpi_gradreducer.planning import ParamSpec, make_plan
-from mpi_gradreducer.shard import bounds, cuts, layout
+from mpi_gradreducer._core.dtypes import supported_dtypes
+from mpi_gradreducer._core.planning import ParamSpec, make_plan
+from mpi_gradreducer._core.shard import bounds, cuts, layout
 
 SHAPES = [(40, 30), (30,), (300, 1024), (7,), (), (5, 0), (64, 64), (3, 5, 2)]
 
@@ -73,7 +73,7 @@ def test_layout_covers_every_element_once_and_is_balanced(seed, size):
 
 @pytest.mark.parametrize("size", [1, 3, 4])
 def test_large_buckets_are_sliced_chunk_by_chunk(size):
-    from mpi_gradreducer.transport import CHUNK_BYTES
+    from mpi_gradreducer._core.transport import CHUNK_BYTES
 
     specs = [ParamSpec((3_000_001,), np.dtype(np.float32)), ParamSpec((5, 7), np.dtype(np.float16))]
     buckets = make_plan(specs, [1, 1], 1 << 20, 1 << 20, reverse=True)

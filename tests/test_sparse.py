@@ -13,8 +13,8 @@ from hypothesis import given, settings, strategies as st
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer.dtypes import supported_dtypes
-from mpi_gradreducer.sparse import RowSparse, allgather_rowsparse, signature
+from mpi_gradreducer._core.dtypes import supported_dtypes
+from mpi_gradreducer._core.sparse import RowSparse, allgather_rowsparse, signature
 
 pytestmark = pytest.mark.mpi
 

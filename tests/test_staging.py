@@ -21,8 +21,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, expected_mean, rank_value
-from mpi_gradreducer.backend import HostOps
-from mpi_gradreducer.staging import StagingPipeline, reduce_direct
+from mpi_gradreducer._core.backend import HostOps
+from mpi_gradreducer._core.staging import StagingPipeline, reduce_direct
 
 Event = tuple[str, int]
 

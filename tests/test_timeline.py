@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from mpi_gradreducer.timeline import Timeline, _clock_offset
+from mpi_gradreducer._core.timeline import Timeline, _clock_offset
 
 pytestmark = pytest.mark.mpi
 

@@ -16,9 +16,9 @@ from mpi4py import MPI
 
 from conftest import WORLD
 from mpi_gradreducer import local_rank
-from mpi_gradreducer.groups import processor_names
+from mpi_gradreducer._core.groups import processor_names
+from mpi_gradreducer._core.rendezvous import interface_addresses, tcp_rendezvous
 from mpi_gradreducer.info import collect
-from mpi_gradreducer.rendezvous import interface_addresses, tcp_rendezvous
 
 pytestmark = pytest.mark.mpi
 

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer import backend, transport
+from mpi_gradreducer._core import backend, transport
 
 pytestmark = pytest.mark.mpi
 
@@ -132,7 +132,7 @@ def test_host_buffers_from_1_mib_are_advised_huge_pages(dtype, nbytes):
 
 @pytest.mark.parametrize("compute", [None, np.complex64, np.complex128])
 def test_scaled_copy_scales_complex_values_component_wise(compute):
-    from mpi_gradreducer.dtypes import scaled_copy
+    from mpi_gradreducer._core.dtypes import scaled_copy
 
     src = np.array([np.inf + 0j, 1 + 1j * np.inf, 2 - 4j], np.complex64)
     for scale in (0.5, 4.0):  # without and with the overflow guard
@@ -147,7 +147,7 @@ def test_scaled_copy_scales_complex_values_component_wise(compute):
 def test_polled_summers_move_the_same_bytes_as_blocking_ones(computing, count):
     """An ordered sum whose ``Alltoall``/``Allgather`` are nonblocking and completed by :class:`Polling`
     (the communication thread's way) gives the blocking summer's bits, on random float data."""
-    from mpi_gradreducer.polling import Polling
+    from mpi_gradreducer._core.polling import Polling
 
     rng = np.random.default_rng([21, WORLD.Get_rank()])
     mine = (rng.standard_normal(count) * 10 ** rng.uniform(-3, 3, count)).astype(np.float32)
@@ -163,7 +163,7 @@ def test_polled_summers_move_the_same_bytes_as_blocking_ones(computing, count):
 def test_polling_naps_only_while_the_training_thread_computes():
     """A request is tested every nap while the training thread computes; once it waits, MPI's own wait
     finishes it (a loop of tests without naps would take the cores of ranks that share them)."""
-    from mpi_gradreducer.polling import Polling
+    from mpi_gradreducer._core.polling import Polling
 
     class Late:
         """Completes on the 20th test, or when waited for."""

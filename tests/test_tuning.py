@@ -7,7 +7,7 @@ import pytest
 
 from conftest import WORLD, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer.tuning import BucketTuner
+from mpi_gradreducer._core.tuning import BucketTuner
 
 pytestmark = pytest.mark.mpi
 

@@ -8,9 +8,9 @@ import threading
 import pytest
 from mpi4py import MPI
 
-from mpi_gradreducer.excepthook import UncaughtAbort
-from mpi_gradreducer.stall import Report, StallInspector, missing_ranks
-from mpi_gradreducer.watchdog import Watchdog
+from mpi_gradreducer._core.excepthook import UncaughtAbort
+from mpi_gradreducer._core.stall import Report, StallInspector, missing_ranks
+from mpi_gradreducer._core.watchdog import Watchdog
 
 
 def test_missing_ranks_are_those_not_in_the_same_collective_of_the_same_call():

@@ -13,7 +13,7 @@ slowest rank's, and the table shows medians and the speed-up over the
 uncompressed mean (``none``: Allreduce in place in chunks, each chunk scaled
 by 1/size right after). Compressed modes do what the reducer's compressed
 path does: cast into a 16-bit wire buffer, sum it chunk by chunk
-(:func:`mpi_gradreducer.compression.compressed_allreduce`), and cast back
+(:func:`mpi_gradreducer._core.compression.compressed_allreduce`), and cast back
 with the mean applied. ``cast`` rows time the
 pack and unpack alone, without communication. Errors are against the mean
 computed in float64 from the same float32 inputs, and the ranks' results are
@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import transport
-from ..compression import Compression, compressed_allreduce, get_compression, pack, unpack
+from .._core import transport
+from .._core.compression import Compression, compressed_allreduce, get_compression, pack, unpack
 from .cli import RankParser, add_network_options, parse, run_as_script
 from .network import NicMeter, figures, format_lines as network_lines
 from .output import write_json

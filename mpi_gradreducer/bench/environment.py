@@ -18,7 +18,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import backend, info, reducer as reducer_module, transport
+from .. import info, reducer as reducer_module
+from .._core import backend, transport
 
 __all__ = ["PREFIXES", "constants", "environment", "huge_pages", "loadavg"]
 

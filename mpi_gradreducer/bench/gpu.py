@@ -63,8 +63,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import DistributedGradReducer, config
-from ..groups import select_device
+from .. import DistributedGradReducer
+from .._core import config
+from .._core.groups import select_device
 from .cli import RankParser, add_shared_options, run_as_script, start
 from .counters import launches, reducer_stats
 from .environment import environment

@@ -34,7 +34,7 @@ Methods (bytes are the bytes of the gradients as the caller holds them):
     The first call after the arrays change: the reducer alternately on two
     lists of distinct arrays, so that no call gets the previous call's arrays
     (which ``reducer`` gets from its third call on, and replays: see
-    :mod:`mpi_gradreducer.replay`). Reported also as ``reducer-fresh / reducer``.
+    :mod:`mpi_gradreducer._core.replay`). Reported also as ``reducer-fresh / reducer``.
 ``reducer-deterministic``
     The reducer with ``deterministic=True`` on separately allocated arrays:
     every element summed in rank order; ``reducer-deterministic / reducer``
@@ -101,7 +101,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer
-from ..backend import empty
+from .._core.backend import empty
 from . import powersgd
 from .cli import RankParser, add_network_options, add_shared_options, run_as_script, start
 from .counters import reducer_stats

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import empty
+from .._core.backend import empty
 from .output import size_label
 from .timing import Case, all_close, expected_sum, fill_value, filler
 

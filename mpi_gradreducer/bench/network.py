@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..groups import processor_names
+from .._core.groups import processor_names
 from .output import bytes_label
 
 __all__ = [

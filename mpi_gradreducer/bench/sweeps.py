@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import DistributedGradReducer, backend, reducer as reducer_module, transport
-from ..hosts import Hosts
+from .. import DistributedGradReducer, reducer as reducer_module
+from .._core import backend, transport
+from .._core.hosts import Hosts
 from .environment import huge_pages
 from .limit import chunked_allreduce, limit_cases
 from .output import KIB, MIB, size_label
@@ -101,7 +102,7 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
 
     This is what the reducer does with those tensors: ``transport.allreduce``
     over each, chunked, a mean's large chunks summed by the reducer's summer
-    (:class:`~mpi_gradreducer.hosts.Hosts`: two levels across hosts), each
+    (:class:`~mpi_gradreducer._core.hosts.Hosts`: two levels across hosts), each
     chunk multiplied by ``1 / size`` while in cache. The same without the
     multiplication ("sum": one Allreduce a chunk) shows what the mean costs.
     """

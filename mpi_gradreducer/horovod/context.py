@@ -16,7 +16,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .. import groups
+from .._core import groups
 
 __all__ = ["Context", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",

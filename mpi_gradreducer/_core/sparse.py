@@ -164,7 +164,7 @@ def signature(rs: RowSparse) -> tuple[int, ...]:
 
     Returns:
         ``(dtype code, ndim, *dense_shape)``: the code is the dtype's position
-        in :data:`~mpi_gradreducer.dtypes.SUPPORTED_NAMES` (-1 if absent).
+        in :data:`~mpi_gradreducer._core.dtypes.SUPPORTED_NAMES` (-1 if absent).
         The index dtype and the number of rows may differ between ranks.
     """
     code = dtype_code(getattr(rs.values, "dtype", None))

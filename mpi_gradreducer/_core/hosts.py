@@ -1,6 +1,6 @@
 """Which ranks share a host, and the two-level summers that send across hosts only what a ring must.
 
-Summed flat, in rank order (:class:`~mpi_gradreducer.transport.OrderedSum`),
+Summed flat, in rank order (:class:`~mpi_gradreducer._core.transport.OrderedSum`),
 a chunk travels between every pair of ranks: with 2 ranks on each of 2
 hosts, each host sends 1.75 times the chunk, where a ring sends it once.
 Summed in two levels, each host's ranks first sum their blocks over shared
@@ -36,7 +36,7 @@ class Hosts:
         comm: the reducer's communicator.
         two_levels: allow two levels where they apply (False: always flat).
         wait: completes the summers' nonblocking data movement (see
-            :class:`~mpi_gradreducer.transport.Exchange`); None: blocking calls.
+            :class:`~mpi_gradreducer._core.transport.Exchange`); None: blocking calls.
 
     Attributes:
         count: the number of hosts (the same on every rank).

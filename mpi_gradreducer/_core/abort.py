@@ -1,7 +1,7 @@
 """End the whole job from one rank: the one abort that the watchdog and the exception hook share.
 
-:func:`abort_job` is called by :mod:`mpi_gradreducer.watchdog` when a
-collective waits past its timeout, and by :mod:`mpi_gradreducer.excepthook`
+:func:`abort_job` is called by :mod:`mpi_gradreducer._core.watchdog` when a
+collective waits past its timeout, and by :mod:`mpi_gradreducer._core.excepthook`
 when an exception escapes on one rank while a reducer lives. It imports
 nothing from the package, so neither of them imports the other.
 """

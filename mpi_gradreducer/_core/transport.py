@@ -35,7 +35,7 @@ GATHERED_SUM_BYTES = 128 << 10
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
 GATHER_MEMBERS = 8
 #: What sums a host chunk in place across ranks, times a scale, and returns the collectives it made
-#: (an :class:`OrderedSum`, or a :class:`~mpi_gradreducer.compression.CastSum`).
+#: (an :class:`OrderedSum`, or a :class:`~mpi_gradreducer._core.compression.CastSum`).
 Summer = Callable[[np.ndarray, float], int]
 
 
@@ -156,7 +156,7 @@ class OrderedSum:
         dtype: the chunks' dtype (float or complex).
         chunk_bytes: the largest chunk that will come (sizes the scratch buffers).
         across: the summer of the hosts' sums (an :class:`OrderedSum`, or a
-            :class:`~mpi_gradreducer.compression.CastSum`), or None (``comm`` is all the ranks).
+            :class:`~mpi_gradreducer._core.compression.CastSum`), or None (``comm`` is all the ranks).
         wait: completes the nonblocking data movement (see :class:`Exchange`); None: blocking calls.
     """
 
@@ -324,7 +324,7 @@ def cuda_support() -> tuple[bool | None, str]:
     The MPI library is asked through ctypes: ``MPIX_GPU_query_support``
     (MPICH) or ``MPIX_Query_cuda_support`` (Open MPI and MPICH). The
     environment variable that overrides the answer is read by
-    :func:`mpi_gradreducer.config.cuda_aware_default`.
+    :func:`mpi_gradreducer._core.config.cuda_aware_default`.
 
     Returns:
         ``(answer, source)``: answer is None when nothing could tell.

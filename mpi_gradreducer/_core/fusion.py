@@ -305,7 +305,7 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
         return np.dtype(dtype)  # host halves travel as 16 bits, summed slice by slice in float32
 
     exclude = list(options.skip)
-    if options.powersgd is not None:  # its gradients are reduced by the PowerSGD path (mpi_gradreducer.lowrank)
+    if options.powersgd is not None:  # its gradients are reduced by the PowerSGD path (mpi_gradreducer._core.lowrank)
         for i in options.powersgd.compressed(specs, options.skip):
             exclude[i] = True
     buckets = make_plan(

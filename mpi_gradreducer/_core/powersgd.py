@@ -6,7 +6,7 @@ gradient ``G`` seen as an ``n x m`` matrix, the ranks sum ``P = M Q``
 (``n x rank``) and ``Q = M^T P`` (``m x rank``) instead of ``M`` itself.
 This module is pure (no MPI): the options object that the caller passes as
 ``compression=``, the rule that picks the compressed gradients, the seeded
-draws of ``Q`` and the Gram-Schmidt step. :mod:`mpi_gradreducer.lowrank`
+draws of ``Q`` and the Gram-Schmidt step. :mod:`mpi_gradreducer._core.lowrank`
 runs them within a reducer's call.
 """
 

@@ -132,7 +132,7 @@ def _clock_offset(comm: MPI.Intracomm, hosts: list[str], rounds: int) -> float:
 
     Args:
         comm: a communicator with no other traffic in flight.
-        hosts: every rank's processor name, as from :func:`~mpi_gradreducer.groups.processor_names`.
+        hosts: every rank's processor name, as from :func:`~mpi_gradreducer._core.groups.processor_names`.
         rounds: exchanges per remote rank; the shortest round trip wins.
     """
     size, rank = comm.Get_size(), comm.Get_rank()

@@ -312,7 +312,7 @@ class SliceSum:
     and bfloat16 gradients, whether they are compressed float32 ones or
     half-precision ones of their own.
 
-    Two levels (``across``), as :class:`~mpi_gradreducer.transport.OrderedSum`
+    Two levels (``across``), as :class:`~mpi_gradreducer._core.transport.OrderedSum`
     has them: ``comm`` holds the ranks of one host; each rank rounds its
     block's sum over the host to 16 bits, ``across`` sums the hosts' in
     float32 and rounds again, and the blocks are shared on the host. Each
@@ -491,7 +491,7 @@ class CastSum:
     """Sums float32/float64 chunks as 16-bit floats with ``summer``: cast, :class:`SliceSum`, cast back.
 
     What crosses hosts where compression applies only there
-    (:meth:`~mpi_gradreducer.hosts.Hosts.ordered_sum`). In two levels it is
+    (:meth:`~mpi_gradreducer._core.hosts.Hosts.ordered_sum`). In two levels it is
     the level across hosts: each host's ranks sum their gradients as they
     are, over shared memory, and only each host's sum crosses the links,
     divided by ``predivide`` and rounded once to 16 bits, where the hosts'

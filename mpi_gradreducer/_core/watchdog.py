@@ -6,17 +6,17 @@ writes, nothing sent. A daemon thread looks at the armed collective a few
 times per second:
 
 - after ``stall_warning`` seconds it asks the other ranks, over the
-  :class:`~mpi_gradreducer.stall.StallInspector` side channel, what they are
+  :class:`~mpi_gradreducer._core.stall.StallInspector` side channel, what they are
   doing, and prints one line naming the ranks that have not arrived
   (``missing ranks: 2``), then goes on waiting;
 - after ``timeout`` seconds it asks again, prints the diagnosis and ends the
-  job with :func:`~mpi_gradreducer.abort.abort_job`.
+  job with :func:`~mpi_gradreducer._core.abort.abort_job`.
 
 The thread also answers the other ranks' questions, so it runs for the whole
 life of the reducer, even with both limits disabled.
 
 While a watchdog over more than one rank exists, an uncaught exception ends
-the job too (:mod:`mpi_gradreducer.excepthook`).
+the job too (:mod:`mpi_gradreducer._core.excepthook`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Watchdog:
         stall_warning: seconds after which the missing ranks are named, once
             per collective; None never warns.
         hook: while this watchdog lives, an uncaught exception aborts the job
-            (:mod:`mpi_gradreducer.excepthook`; only over more than one rank).
+            (:mod:`mpi_gradreducer._core.excepthook`; only over more than one rank).
         rank: the rank named in the messages (default: the rank in ``comm``).
     """
 
