@@ -21,6 +21,7 @@ from ._core.polling import Polling
 from ._core.powersgd import PowerSGD
 from ._core.replay import Replay
 from ._core.steps import Overlap, ReductionStep
+from ._core.topology import Topology
 from ._core.tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from ._core.validation import Checked, check_grads
 
@@ -141,7 +142,8 @@ class DistributedGradReducer:
                 check_finite=check_finite, cuda_aware=cuda_aware, timeline=timeline, compression=compression,
                 predivide=predivide, coalesce=coalesce, progress=progress, stall_warning=stall_warning,
                 deterministic=deterministic))
-            self.progress = config.decide_progress(self._comm, self.options.progress)
+            self._topology = Topology.of(self._comm)
+            self.progress = config.decide_progress(self._comm, self._topology, self.options.progress)
         except BaseException:
             self._comm.Free()
             raise
@@ -154,7 +156,7 @@ class DistributedGradReducer:
         #: How the communication thread waits for its collectives (None: no thread, blocking calls).
         self._polling = Polling() if self.progress == "thread" else None
         #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
-        self._hosts = Hosts(self._comm, two_levels=not options.deterministic,
+        self._hosts = Hosts(self._comm, self._topology, two_levels=not options.deterministic,
                             wait=None if self._polling is None else self._polling.wait)
         self._tuner: BucketTuner | None = None
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.

@@ -13,9 +13,9 @@ from mpi4py import MPI
 from . import agreement, backend, compression as wire, interop, planning, transport
 from .blas import share_of_cores
 from .dtypes import SUPPORTED_NAMES, dtype_code
-from .groups import processor_names
 from .planning import ParamSpec
 from .powersgd import PowerSGD
+from .topology import Topology
 
 __all__ = [
     "ABORT_ON_EXCEPTION_ENV",
@@ -284,11 +284,12 @@ def stall_warning_default() -> float | None:
     return value
 
 
-def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
+def decide_progress(comm: MPI.Intracomm, topology: Topology, asked: str) -> str:
     """The progress mode (collective): ``"auto"`` takes a thread only where every rank has a spare core.
 
     Args:
         comm: the reducer's communicator.
+        topology: its hosts.
         asked: the ``progress`` option.
 
     Returns:
@@ -297,9 +298,7 @@ def decide_progress(comm: MPI.Intracomm, asked: str) -> str:
     if asked != "auto":
         return asked
     multiple = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-    hosts = processor_names(comm)
-    ranks_here = hosts.count(hosts[comm.Get_rank()])
-    spare = np.array([int(multiple and share_of_cores(ranks_here) >= 2)], dtype=np.int64)
+    spare = np.array([int(multiple and share_of_cores(topology.local_size) >= 2)], dtype=np.int64)
     comm.Allreduce(MPI.IN_PLACE, spare, op=MPI.MIN)
     return "thread" if spare[0] else "deferred"
 

@@ -45,6 +45,7 @@ from .hosts import Hosts
 from .instrument import Instrument
 from .planning import ParamSpec
 from .powersgd import PowerSGD, compute_dtype, draw_q, matrix_shape, orthonormalise
+from .topology import Topology
 
 __all__ = ["LowRankPath"]
 
@@ -128,7 +129,7 @@ class LowRankPath:
         assert options.powersgd is not None
         self.config: PowerSGD = options.powersgd
         self.comm, self.specs, self.options, self.instrument = comm, tuple(specs), options, instrument
-        self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
+        self.hosts = hosts if hosts is not None else Hosts(comm, Topology.of(comm), two_levels=False)
         self.indices = self.config.compressed(specs, options.skip)
         #: The number of calls made so far (the next call's number, counting from 0).
         self.iteration = 0
