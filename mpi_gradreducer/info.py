@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from ._core import config
+from ._core import options
 from ._core.topology import Topology
 
 __all__ = ["collect", "format_report", "main"]
@@ -45,7 +45,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     try:
-        cuda_aware, cuda_source = config.cuda_aware_default()
+        cuda_aware, cuda_source = options.cuda_aware_default()
     except ValueError as exc:  # a malformed override: say so instead of failing
         cuda_aware, cuda_source = None, str(exc)
     cupy_version, cupy_devices = _cupy()

@@ -29,11 +29,11 @@ from mpi4py import MPI
 
 from . import backend, compression as wire, control, transport
 from .call import Call
-from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .fusion import FusionBuffer, FusionPlan, join_runs
 from .hosts import Hosts
 from .instrument import Instrument
+from .options import Options
 from .sparse import allgather_rowsparse
 from .staging import StagingPipeline, reduce_direct
 from .topology import Topology
