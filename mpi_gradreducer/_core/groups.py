@@ -107,7 +107,7 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intrac
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> tuple[int, int]:
-    """This rank's index among the ranks of ``comm`` on the same host (collective; see :class:`.Topology`).
+    """This rank's index among the ranks of ``comm`` on the same host (collective; hosts as ``Topology`` finds them).
 
     Returns:
         ``(local_rank, ranks_on_this_host)``.

@@ -75,7 +75,7 @@ class Options:
     (:meth:`replace`). The torch and Horovod optimizers take the same object.
     Nothing is checked when it is made: the reducer checks every field once,
     on every rank, and raises on every rank when some rank's are bad
-    (:func:`resolve`); :attr:`.DistributedGradReducer.options` holds them
+    (:func:`resolve`); ``reducer.options`` holds them
     resolved (defaults of the environment applied), ready to build another
     reducer with the same options.
 
@@ -181,13 +181,13 @@ class Options:
 
     @property
     def ids(self) -> tuple[int, ...]:
-        """One fusion id per parameter (resolved options)."""
+        """The fusion id of each parameter (resolved options)."""
         assert self.fusion is not None, "options not resolved"
         return tuple(self.fusion)
 
     @property
     def skipped(self) -> tuple[bool, ...]:
-        """One flag per parameter: leave that gradient alone (resolved options)."""
+        """Whether each parameter's gradient is left alone, one flag per parameter (resolved options)."""
         assert self.skip is not None, "options not resolved"
         return tuple(self.skip)
 
