@@ -75,7 +75,7 @@ class Options:
     (:meth:`replace`). The torch and Horovod optimizers take the same object.
     Nothing is checked when it is made: the reducer checks every field once,
     on every rank, and raises on every rank when some rank's are bad
-    (:func:`resolve`); ``reducer.options`` holds them
+    (``resolve``); ``reducer.options`` holds them
     resolved (defaults of the environment applied), ready to build another
     reducer with the same options.
 
