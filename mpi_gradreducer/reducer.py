@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 from mpi4py import MPI
 
-from ._core import control, paths, shard
-from ._core.call import Call, close, open_call, settle
+from ._core import paths, shard
+from ._core.call import Call, close, open_call
 from ._core.compression import get_compression
 from ._core.fusion import distinct_caps, plan_for
 from ._core.hosts import Hosts
@@ -343,26 +342,10 @@ class DistributedGradReducer:
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous, sharded=sharded)
         call.epoch = epoch
-        call.settle = partial(self._settle, call)
-        if self._ctx.carrier is None:  # the header travels alone
-            call.settle(self._instrument.collective(lambda: "the call header", call.number,
-                                                    control.exchange, self._comm, call.local))
-            call.head = "ahead"
-        elif grads is None or asynchronous or sharded or call.local.error is not None:
-            self._ctx.first_message(call)  # the header with zeros: the same message as the others send
-            info = call.info
-            assert info is not None  # the first message settled the call
-            call.head = "ahead" if info.asynchronous or info.sharded else "sent"
+        if grads is None or asynchronous or sharded or call.local.error is not None or self._ctx.carrier is None:
+            self._ctx.first.announce(call)  # the header now; raises on every rank for bad input on any
         self.nonfinite = False
         return call
-
-    def _settle(self, call: Call, summary: control.Summary) -> None:
-        """Read the summed header into ``call``: free when it is healthy, else collective, and watched."""
-        if summary.healthy(self._comm.Get_size()):
-            settle(call, self._comm, self.options, self._plan, summary)
-        else:
-            self._instrument.collective(lambda: "the reading of the call header", call.number, settle, call,
-                                        self._comm, self.options, self._plan, summary)
 
     def _check(self, grads: Any) -> tuple[Any, Checked]:
         """The full local checks of ``grads``; any other iterable is first made a list, which is returned."""

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import WORLD
 from mpi_gradreducer import Options, RowSparse
-from mpi_gradreducer._core import control, options as options_module, paths
-from mpi_gradreducer._core.call import open_call, settle as settle_call
+from mpi_gradreducer._core import header as control, options as options_module, paths
+from mpi_gradreducer._core.call import open_call
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.fusion import plan_for
 from mpi_gradreducer._core.instrument import Instrument
@@ -236,10 +236,8 @@ def _call(ctx: paths.Context, grads: list[Any], number: int = 1):
     checked = check_grads(grads, ctx.plan, True)
     assert checked.error is None
     call = open_call(number, grads, ctx.plan, checked, check_finite=False)
-    call.settle = lambda summary: settle_call(call, WORLD, ctx.options, ctx.plan, summary)
     if ctx.carrier is None:
-        call.settle(control.exchange(WORLD, call.local))
-        call.head = "ahead"
+        ctx.first.announce(call)
     return call
 
 

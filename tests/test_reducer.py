@@ -188,7 +188,7 @@ def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
 
 
 def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
-    from mpi_gradreducer._core.paths import HEAD_BYTES
+    from mpi_gradreducer._core.call import HEAD_BYTES
     from mpi_gradreducer._core.transport import GATHERED_SUM_BYTES
 
     shapes = [(700, 1024), (3,), (300, 1024), (5, 5), (1200, 1024), (17,)]  # large and small, float32

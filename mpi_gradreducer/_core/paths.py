@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import backend, compression as wire, control, transport
-from .call import Call
-from .dtypes import largest_finite, scaled_copy
+from . import backend, compression as wire, transport
+from .call import Call, FirstMessage
+from .dtypes import largest_finite
 from .fusion import FusionBuffer, FusionPlan, join_runs
 from .hosts import Hosts
 from .instrument import Instrument
@@ -38,120 +38,37 @@ from .sparse import allgather_rowsparse
 from .staging import StagingPipeline, reduce_direct
 from .topology import Topology
 
-__all__ = ["HEAD_BYTES", "Context", "assign", "run"]
-
-#: Bytes of the first bucket that travel with the call header (the rest follows in its own messages).
-HEAD_BYTES = 64 << 10
+__all__ = ["Context", "assign", "run"]
 
 
 class Context:
-    """What every path shares: the communicator, the plan, the options, the instrument.
+    """What every path shares: the communicator, the plan, the options, the instrument, the first message.
 
-    It also knows which bucket's first message carries the call header (the
-    first bucket, where it is a host bucket of 32 or 64-bit floats; else the
-    header travels alone).
+    Args:
+        comm: the reducer's communicator.
+        plan: the reducer's plan.
+        options: the reducer's (resolved) options.
+        instrument: the reducer's counters and watchdog.
+        compression: the 16-bit wire format of ``options.compression``, or None.
+        hosts: which ranks share a host: it makes the summers (two levels across hosts); flat without it.
     """
 
     def __init__(self, comm: MPI.Intracomm, plan: FusionPlan, options: Options, instrument: Instrument,
                  compression: wire.Compression | None = None, hosts: Hosts | None = None) -> None:
         self.comm, self.plan, self.options, self.instrument = comm, plan, options, instrument
-        #: Which ranks share a host: it makes the summers (two levels across hosts); flat without it.
         self.hosts = hosts if hosts is not None else Hosts(comm, Topology.of(comm), two_levels=False)
         self.compression = compression
         #: The compression that only the sums across hosts take (:attr:`.Hosts.casts_across`; the buckets are
         #: then uncompressed).
         self.across_hosts = compression if compression is not None and self.hosts.casts_across else None
-        first = plan.buffers[0].bucket if plan.buffers else None
-        carried = (first is not None and backend.is_host(first.device)
-                   and not (compression is not None and first.wire_dtype == compression.wire_dtype)
-                   and not self.cast_across(first)  # all of a compressed bucket is summed so
-                   and control.carries(first.wire_dtype, comm.Get_size()))
-        #: The bucket whose first message carries the header, or None.
-        self.carrier: int | None = 0 if carried else None
-        self._message: Any = None  # the carrier's first message: header, then its head
-        self._slots: Any = None  # its header, as real values
-        self._body: Any = None  # the rest: the carrier's first elements
         self._summers: dict[tuple[np.dtype, bool], transport.Summer] = {}  # by dtype and cast across hosts
-        self._head_count = 0 if first is None else min(first.count, max(1, HEAD_BYTES // first.wire_dtype.itemsize))
-        #: The carrier when all of it travels in the first message (a small model's one bucket), else None.
-        self.whole_with_header = self.carrier if first is not None and first.count <= self._head_count else None
-        if self.whole_with_header is not None:  # a small first bucket is packed behind the header
-            self._first_message()
-            plan.buffers[0].allocate(self._body)  # (until allocate_grads gives it another buffer)
-
-    def _first_message(self) -> Any:
-        """The buffer of the first message (allocated once), its header slots and its body."""
-        if self._message is None:
-            b = self.plan.buffers[0].bucket
-            lead = control.lead(b.wire_dtype)
-            self._message = backend.empty(lead + self.head_count(), b.wire_dtype, "cpu")
-            self._slots = control.real_view(self._message[:lead])
-            self._body = self._message[lead:]
-        return self._message
-
-    def head_count(self) -> int:
-        """Elements of the carrier bucket that travel with the header."""
-        return self._head_count
-
-    def first_message(self, call: Call, head: Any = None, packed: bool = False, header: bool = True) -> None:
-        """Sum the header (and the carrier's first elements, ``head``; zeros if None) and settle the call.
-
-        ``packed``: ``head`` is the start of the carrier's own buffer, which
-        may lie right behind the header already. Raises on every rank when
-        some rank's input is bad; nothing of the caller's has been modified
-        then. Without ``header``, the same message carries zeros in the
-        header's place: the head of a call whose header went ahead travels in
-        a message of the same length, at the same offset, and so is summed
-        to the same bits.
-        """
-        msg = self._first_message()
-        slots = self._slots
-        if header:
-            call.local.write(slots)
-        else:
-            slots[...] = 0
-        body = self._body
-        same = packed and self.plan.buffers[0].buffer is body  # the carrier's buffer is the body itself
-        if head is None:
-            body[...] = 0
-        elif not same:
-            body[...] = head
-        if self.comm.Get_size() > 1:
-            if self.options.deterministic:  # the header's sums are exact in any order
-                self.instrument.collective(self.describe(0), call.number, self.summer(msg.dtype), msg)
-            else:
-                self.instrument.collective(self.describe(0), call.number,
-                                           self.comm.Allreduce, MPI.IN_PLACE, msg, op=MPI.SUM)
-        self.instrument.stats.messages += 1
-        if header:
-            assert call.settle is not None
-            call.settle(control.Summary.of(slots))
-        if head is not None:
-            scaled_copy(body, body if same else head, call.scale)
-            check = call.finite_check(self.plan.buffers[0].limit)
-            if check is not None:
-                check(head)
-
-    def take_head(self, k: int, data: Any, call: Call) -> Any:
-        """What of bucket ``k``'s 1-D ``data`` is left to reduce once the header has gone.
-
-        On the carrier bucket, the first elements travel with the header (now,
-        if it is still pending, or they already went as zeros with it, on a
-        rank that has joined); when the header went ahead on its own, they
-        travel now in a message of the first message's layout (so that they
-        are summed to the same bits); elsewhere nothing is taken.
-        """
-        if k != self.carrier:
-            return data
-        m = self.head_count()
-        if call.head == "pending":
-            self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer)
-            call.head = "sent"
-        elif call.head == "ahead":
-            if call.info is None or call.info.sharded:
-                return data
-            self.first_message(call, data[:m], packed=data is self.plan.buffers[k].buffer, header=False)
-        return data[m:]
+        first = plan.buffers[0].bucket if plan.buffers else None
+        carried = (first is not None and not (compression is not None and first.wire_dtype == compression.wire_dtype)
+                   and not self.cast_across(first))  # all of a compressed bucket is summed so
+        #: The call's first message: its header, with the carrier bucket's first elements where it can.
+        ordered = self.summer(first.wire_dtype) if first is not None and carried and options.deterministic else None
+        self.first = FirstMessage(comm, plan, options, instrument, carried, ordered)
+        self.carrier = self.first.carrier
 
     def summer(self, dtype: np.dtype, cast: bool = False) -> transport.Summer:
         """The summer of ``dtype`` host chunks on the reducer's communicator (made once): in rank order, or in
@@ -219,8 +136,7 @@ class PackedPath:
         skip = [i in sparse for i in f.bucket.indices] if sparse else ()
         if (skip and all(skip)) or call.void:  # gathered by SparsePath, or nobody contributes
             if k == self.ctx.carrier and call.head == "pending":
-                self.ctx.first_message(call)  # the header still goes, with the zeros the others see here
-                call.head = "sent"
+                self.ctx.first.send(call)  # the header still goes, with the zeros the others see here
             return
         pre, post = self.scales(call)
         t0 = time.perf_counter()
@@ -252,7 +168,7 @@ class PackedPath:
 
     def sum(self, k: int, f: FusionBuffer, call: Call) -> None:
         """Sum (and scale) the packed buffer of bucket ``k`` across ranks."""
-        self.reduce_buffer(k, self.ctx.take_head(k, f.buffer, call), call)
+        self.reduce_buffer(k, self.ctx.first.take_head(k, f.buffer, call), call)
 
     def reduce_buffer(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
         """The collective: sum (and scale) ``buf`` of bucket ``k`` in place, chunk by chunk, while in cache.
@@ -271,7 +187,7 @@ class HostPath(PackedPath):
 
     def reduce(self, ks: Sequence[int], call: Call) -> None:
         """Reduce buckets ``ks`` (consecutive in the plan) of ``call``."""
-        if len(ks) == 1 and call.head == "pending" and ks[0] == self.ctx.whole_with_header and not call.sparse:
+        if len(ks) == 1 and call.head == "pending" and ks[0] == 0 and self.ctx.first.whole and not call.sparse:
             self._whole_with_header(call)
             return
         start = 0
@@ -283,7 +199,7 @@ class HostPath(PackedPath):
                 start = end
                 continue
             t0 = time.perf_counter()
-            run = self.ctx.take_head(ks[start], run, call)
+            run = self.ctx.first.take_head(ks[start], run, call)
             # The same on every rank. Which buckets go together in an asynchronous call depends on
             # each rank's order of ready(): there, each bucket is its own run.
             views = call.info is not None and call.info.runs
@@ -301,7 +217,7 @@ class HostPath(PackedPath):
     def _whole_with_header(self, call: Call) -> None:
         """The carrier bucket, all of it in the first message: one message, packed or where it lies.
 
-        What :meth:`packed` and :meth:`Context.take_head` do for it, in one
+        What :meth:`packed` and :meth:`.FirstMessage.take_head` do for it, in one
         step (a small model's call is mostly such steps).
         """
         ctx = self.ctx
@@ -314,8 +230,7 @@ class HostPath(PackedPath):
             f.pack(members, 1.0, (), call.epoch)
             run = f.buffer
         t1 = time.perf_counter()
-        ctx.first_message(call, run, packed=run is f.buffer)
-        call.head = "sent"
+        ctx.first.send(call, run, packed=run is f.buffer)
         t2 = time.perf_counter()
         if packed:  # only what this call packed is unpacked
             f.unpack(members, 1.0, (), packed=True)

@@ -1,4 +1,4 @@
-"""The call header: what every rank says about a call, carried with the data the call sends anyway.
+"""The call header: what every rank says about a call, and the one verdict every rank reads from it.
 
 Each rank contributes a few small integers to every call: whether its input is
 valid, whether it contributes data (a rank that has called ``join()`` does
@@ -24,7 +24,9 @@ rank) do the ranks :func:`settle` the call with one more exchange, which
 names the ranks and tells every rank the call's structure. No rank modifies a
 caller's array before that. Where the first message cannot carry the header
 (device or 16-bit buffers, or too many ranks for exact float32 sums), it
-travels alone (:func:`exchange`).
+travels alone (:func:`exchange`). The verdict is returned to whoever sent the
+header (:class:`~mpi_gradreducer._core.call.FirstMessage`): nothing here knows
+the reducer.
 """
 
 from __future__ import annotations
