@@ -122,7 +122,7 @@ class _Steps:
             f.unpack(m, 1.0, (), packed=True)
 
     def arming(self) -> None:
-        watchdog = self.r._instrument._watchdog
+        watchdog = self.r._instrument.watchdog
         if watchdog is not None:
             for _ in self.parts:
                 watchdog.arm(lambda: "bucket", 1)

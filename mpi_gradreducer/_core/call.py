@@ -54,6 +54,8 @@ class Call:
             summed (as zeros, on a rank that had none); ``"ahead"``, the
             header went on its own and those elements are still to travel.
         nonfinite: a result held NaN or Inf (with ``check_finite``).
+        void: no rank contributes (every rank has joined): nothing more is sent (set with ``info``).
+        sparse: positions of RowSparse gradients (this rank's until the header was read, then every rank's).
         gather_sparse: the RowSparse gradients are gathered (not when
             ``wait()`` found a rank that was not ready).
         epoch: the replay epoch whose armed gradients this call reduces
@@ -71,18 +73,10 @@ class Call:
     scale: float = 1.0
     head: str = "pending"
     nonfinite: bool = False
+    void: bool = False
+    sparse: tuple[int, ...] = ()
     gather_sparse: bool = True
     epoch: int | None = None
-
-    @property
-    def sparse(self) -> tuple[int, ...]:
-        """Positions of RowSparse gradients (this rank's until the header was read)."""
-        return self.info.sparse if self.info is not None else self.local.sparse
-
-    @property
-    def void(self) -> bool:
-        """No rank contributes (every rank has joined): nothing more is sent."""
-        return self.info is not None and self.info.contributors == 0
 
     def members(self, f: FusionBuffer) -> tuple[Any, ...]:
         """Bucket ``f``'s gradients, in bucket order."""
@@ -107,7 +101,7 @@ class Call:
 
     def settle(self, info: header.CallInfo, options: Options, plan: FusionPlan) -> None:
         """Take the verdict: the call's structure, its divisor and scale (a joined rank: empty RowSparse)."""
-        self.info = info
+        self.info, self.void, self.sparse = info, info.contributors == 0, info.sparse
         self.degree = options.divisor(info.contributors) if options.mean else 1
         self.scale = 1.0 / self.degree if options.mean else 1.0
         if not self.local.contributing:
@@ -131,7 +125,7 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
         work = plan.stand_ins()
         for i in plan.checked:
             work[i][...] = 0
-        return Call(number, list(work), local, check_finite=check_finite)
+        return Call(number, list(work), local, check_finite=check_finite)  # (no rows: sparse is empty)
     local = header.Local(number, checked.error, True, checked.sparse, checked.absent, checked.views, asynchronous,
                          sharded)
     if checked.error is not None:
@@ -141,7 +135,7 @@ def open_call(number: int, grads: Any, plan: FusionPlan, checked: Checked | None
         work = list(work)
         for i in checked.absent:
             work[i] = zeros(plan.specs[i])
-    return Call(number, work, local, grads, check_finite)
+    return Call(number, work, local, grads, check_finite, sparse=checked.sparse)
 
 
 def close(call: Call) -> None:
@@ -261,11 +255,17 @@ class FirstMessage:
         elif not same:
             body[...] = head
         if self._size > 1:
-            if self._summer is not None:  # in rank order: the header's sums are exact in any order
-                self.instrument.collective(self._describe, call.number, self._summer, msg, 1.0)
-            else:
-                self.instrument.collective(self._describe, call.number, self.comm.Allreduce, MPI.IN_PLACE, msg,
-                                           op=MPI.SUM)
+            wd = self.instrument.watchdog
+            if wd is not None:
+                wd.arm(self._describe, call.number, self.instrument.watching)
+            try:
+                if self._summer is not None:  # in rank order: the header's sums are exact in any order
+                    self._summer(msg, 1.0)
+                else:
+                    self.comm.Allreduce(MPI.IN_PLACE, msg, op=MPI.SUM)
+            finally:
+                if wd is not None:
+                    wd.disarm()
         self.instrument.stats.messages += 1
         if with_header:
             self._settle(call, header.Summary.of(slots))
@@ -281,10 +281,10 @@ class FirstMessage:
         """Read the summed header into ``call``: free when it is healthy, else collective, and watched."""
         count = len(self.plan.specs)
         if summary.healthy(self._size):
-            info = header.settle(self.comm, call.local, summary, count)
+            info = header.settle(self.comm, call.local, summary, count, healthy=True)
         else:
             info = self.instrument.collective(lambda: "the reading of the call header", call.number, header.settle,
-                                              self.comm, call.local, summary, count)
+                                              self.comm, call.local, summary, count, healthy=False)
         call.settle(info, self.options, self.plan)
 
     def _describe(self) -> str:
