@@ -11,10 +11,11 @@ from mpi4py import MPI
 from . import backend, wire
 from .call import Call, FirstMessage
 from .fusion import FusionPlan
+from .halves import SliceSum
 from .hooks import BucketHook, GradBucket
 from .instrument import Instrument
 from .options import Options
-from .summers import SliceSum, Summer, Summers, allreduce
+from .summers import Summer, Summers, allreduce
 
 __all__ = ["Context"]
 

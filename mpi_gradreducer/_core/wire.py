@@ -4,18 +4,18 @@ A :class:`Compression` is a format, in the manner of Horovod's
 ``Compressor``: its 16-bit dtype, the pre- and post-scaling that keep a sum in
 range, and the casts in and out (:func:`pack`, :func:`unpack`, one numpy pass
 each). How a 16-bit buffer is summed across ranks is a summer's business
-(:class:`~mpi_gradreducer._core.summers.SliceSum`: MPI has no half-precision
+(:class:`~mpi_gradreducer._core.halves.SliceSum`: MPI has no half-precision
 sum, so each rank adds one slice in float32), and which buckets travel so is
 a hook's (:class:`~mpi_gradreducer._core.hooks.Cast`)::
 
     comp = get_compression("fp16")
     pre, post = comp.scales(size=comm.Get_size(), degree=degree, mean=True)
     pack(grad, wire, pre)                   # wire = grad * pre, as float16
-    compressed_allreduce(comm, wire, comp)  # wire = sum over ranks (summers)
+    compressed_allreduce(comm, wire, comp)  # wire = sum over ranks (halves)
     unpack(wire, grad, post)                # grad = wire * post, as float32
 
 :meth:`Compression.op` is the format's sum as a user-defined MPI op (for
-``method="allreduce"`` of the summers: every level of MPI's reduction tree
+``method="allreduce"`` of :class:`~mpi_gradreducer._core.halves.SliceSum`: every level of MPI's reduction tree
 then rounds); each :class:`Compression` owns at most one, created on first
 use and released by :meth:`Compression.free` (mpi4py allows only a few dozen
 live user-defined ops per process).

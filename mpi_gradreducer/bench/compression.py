@@ -38,7 +38,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import transport
-from .._core.summers import allreduce, compressed_allreduce
+from .._core.halves import compressed_allreduce
+from .._core.summers import allreduce
 from .._core.wire import Compression, get_compression, pack, unpack
 from .cli import RankParser, add_network_options, parse, run_as_script
 from .network import NicMeter, figures, format_lines as network_lines

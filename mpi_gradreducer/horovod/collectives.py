@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._core.summers import compressed_allreduce
+from .._core.halves import compressed_allreduce
 from .._core.wire import half_format
 from .context import current
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
