@@ -80,7 +80,10 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
                 state.sync()
             if reset:
                 state.on_reset()
-            return fn(state, *args, **kwargs)
+            result = fn(state, *args, **kwargs)
+            if not world.settle():
+                return result
+            sync = True
         except HostsUpdated as exc:
             if why is not None:
                 raise

@@ -36,6 +36,8 @@ MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
 TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
 #: How long the survivors wait for room below the minimum size, by default (Horovod's elastic timeout).
 DEFAULT_TIMEOUT = 600.0
+#: After this many failed starts of new ranks, the job stops trying (it goes on with the ranks it has).
+MAX_FAILED_SPAWNS = 3
 #: How often rank 0 looks at the discovery script or host file while training.
 LOOK_EVERY = 1.0
 
@@ -96,7 +98,8 @@ class World:
         self._tracked: list[Rebuildable] = []
         self._spawner: _Spawner | None = None
         self._look: _Look | None = None
-        self._pending: tuple[MPI.Request, np.ndarray] | None = None
+        self._pending: tuple[MPI.Request, np.ndarray, bool] | None = None
+        self._failed_spawns = 0
         self._joined = False
         #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
         self.recovery_seconds = 0.0
@@ -134,6 +137,7 @@ class World:
         self._joined = True
         _ulfm.returning(parent)
         merged = parent.Merge(high=True)
+        parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
         self.rebuild()
         return True
@@ -191,9 +195,9 @@ class World:
         """
         if not self.settings.discovery.configured and self._spawner is None:
             return
-        verdict = None
+        verdict, spawned_before = None, False
         if self._pending is not None:
-            request, values = self._pending
+            request, values, spawned_before = self._pending
             request.Wait()
             self._pending = None
             verdict = values
@@ -206,16 +210,41 @@ class World:
         spawning = self._spawner is not None and not self._spawner.done.is_set()
         mine = np.array([capacity if self.comm.Get_rank() == 0 else 0, int(spawning)], dtype=np.int64)
         values = np.zeros(2, dtype=np.int64)
-        self._pending = (self.comm.Iallreduce(mine, values, op=MPI.MAX), values)
+        self._pending = (self.comm.Iallreduce(mine, values, op=MPI.MAX), values, self._spawner is not None)
         if verdict is None:
             return
         if self._spawner is not None:
-            if verdict[1] == 0:  # every rank's spawn has returned
+            if spawned_before and verdict[1] == 0:  # every rank's spawn has returned
                 self._settle_spawn()
             return
         want = self._target(int(verdict[0])) - self.comm.Get_size()
-        if want > 0:
+        if want > 0 and self._failed_spawns < MAX_FAILED_SPAWNS:
             self._start_spawn(want)
+
+    def settle(self) -> bool:
+        """When the training function returned: complete the last commit's reduction, stop looking (collective).
+
+        A spawn still in flight is finished and its new ranks are taken in
+        (they wait for that), so that no process is left waiting.
+
+        Returns:
+            Whether new ranks were taken in: the training function is then
+            called once more on every rank, from the state as it is (it
+            returns at once when it resumes from the state).
+        """
+        if self._pending is not None:
+            self._pending[0].Wait()
+            self._pending = None
+        if self._look is not None:
+            self._look.stop.set()
+            self._look = None
+        if self._spawner is not None:
+            self._spawner.done.wait()
+            if self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN):
+                self.grow()
+                return True
+            self._drop_background()
+        return False
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -248,9 +277,11 @@ class World:
         ok = self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN)
         if ok:
             raise self.interrupt(f"{self._spawner.count} new rank(s) are ready to join")
+        self._failed_spawns += 1
         if self.comm.Get_rank() == 0:
+            again = "" if self._failed_spawns < MAX_FAILED_SPAWNS else "; no more tries"
             sys.stderr.write(f"mpi_gradreducer.elastic: starting {self._spawner.count} new rank(s) failed "
-                             f"({self._spawner.error}); going on with {self.comm.Get_size()}\n")
+                             f"({self._spawner.error!r}); going on with {self.comm.Get_size()}{again}\n")
         self._drop_background()
 
     def _drop_background(self) -> None:

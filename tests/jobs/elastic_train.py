@@ -33,6 +33,8 @@ start of the sync (the others wait for it, inside the recovery).
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import os
 import time
 from pathlib import Path
@@ -67,6 +69,7 @@ def main() -> None:
     parser.add_argument("--save-resume", action="store_true")
     parser.add_argument("--load", default="")
     args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)
     out = Path(args.out)
     world = MPI.COMM_WORLD
     new = MPI.Comm.Get_parent() != MPI.COMM_NULL
@@ -141,7 +144,9 @@ def main() -> None:
     at("done", state.step)
     np.save(out / f"final.{pid}.npy", np.concatenate([p.ravel() for p in params[:2]]))
     (out / f"final.{pid}.txt").write_text(f"{state.step} {state.size}")
+    log.write("freeing\n")
     reducer.free()
+    log.write("freed\n")
 
 
 if __name__ == "__main__":
