@@ -17,8 +17,9 @@ What the test reads, all under ``--out``:
 - ``at.PID``: the phase this process is in now, ``PHASE STEP`` (``reduce``
   just before the reducer call, ``commit`` just before the commit, ``sync``
   at the start of a sync after a failure), rewritten at each phase;
-- ``log.PID``: one line per event: ``commit S``, ``resume S SIZE`` (after a
-  change of ranks, with the step it goes on from), ``failure TEXT``;
+- ``log.PID``: one line per event: ``commit S TIME``, ``resume S SIZE TIME``
+  (after a change of ranks, with the step it goes on from), ``failure TEXT``
+  (``TIME``: ``time.time()``);
 - ``final.PID.npy``: the parameters at the end, with ``final.PID.txt``
   holding ``STEP SIZE``;
 - ``resume.npz`` (with ``--save-resume``): the state rank 0 went on from
@@ -34,15 +35,15 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import signal
 import os
+import signal
 import time
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
+from mpi4py import MPI  # noqa: I001 (after the package)
 
-from mpi_gradreducer import DistributedGradReducer, elastic
+from mpi_gradreducer import DistributedGradReducer, elastic  # first: it sets Open MPI's defaults for ULFM
 
 FEATURES, OUTPUTS, BATCH = 48, 8, 24
 
@@ -108,7 +109,7 @@ def main() -> None:
     resumed: list[int] = []
 
     def on_reset() -> None:
-        log.write(f"resume {state.step} {state.size}\n")
+        log.write(f"resume {state.step} {state.size} {time.time():.6f}\n")
         if state.failure is not None:
             log.write(f"failure {state.failure}\n")
         if args.save_resume and not resumed and state.rank == 0 and state.failure is not None:
@@ -138,7 +139,7 @@ def main() -> None:
             state.step += 1
             at("commit", state.step)
             state.commit()
-            log.write(f"commit {state.step}\n")
+            log.write(f"commit {state.step} {time.time():.6f}\n")
 
     train(state)
     at("done", state.step)
