@@ -65,9 +65,9 @@ def log(line: str) -> None:
 
 @hvd.elastic.run
 def train(state: hvd.elastic.TorchState) -> None:
-    for state.epoch in range(state.epoch, args.epochs):
+    for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 (Horovod's idiom: the state is the counter)
         log(f"epoch {state.epoch} size {hvd.size()} rank {hvd.rank()}")
-        for state.batch, (x, y) in enumerate(loader, start=state.batch):
+        for state.batch, (x, y) in enumerate(loader, start=state.batch):  # noqa: B020
             state.optimizer.zero_grad()
             loss = torch.nn.functional.cross_entropy(state.model(x), y)
             loss.backward()

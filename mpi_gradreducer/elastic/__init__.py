@@ -20,11 +20,11 @@ ULFM)::
 
     train(state)
 
-The parts: :mod:`.state` (what is committed, restored and shared),
-:mod:`.world` (the ranks now: shrink after a loss, spawn and merge to grow
-back), :mod:`.rebuild` (reducers and optimizers remade with their options),
-:mod:`.discovery` (where new ranks may start), :mod:`.loop` (``run``) and
-:mod:`.errors`. ``docs/elastic.rst`` tells the whole story.
+The parts: ``state`` (what is committed, restored and shared),
+``world`` (the ranks now: shrink after a loss, spawn and merge to grow
+back), ``rebuild`` (reducers and optimizers remade with their options),
+``discovery`` (where new ranks may start), ``loop`` (``run``) and
+``errors``. ``docs/elastic.rst`` tells the whole story.
 """
 
 from ._ulfm import ulfm_available, why_no_ulfm

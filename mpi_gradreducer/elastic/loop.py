@@ -6,7 +6,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from . import _ulfm
 from .discovery import Discovery
@@ -16,10 +16,7 @@ from .world import Settings
 
 __all__ = ["run"]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def run(func: F | None = None, *, discovery: Discovery | None = None, min_size: int | None = None,
+def run(func: Callable[..., Any] | None = None, *, discovery: Discovery | None = None, min_size: int | None = None,
         max_size: int | None = None, timeout: float | None = None,
         failure: Callable[[BaseException], bool] | None = None) -> Any:
     """Make ``func(state, ...)`` survive lost ranks and take in new ones (a decorator, with or without options).
@@ -55,12 +52,12 @@ def run(func: F | None = None, *, discovery: Discovery | None = None, min_size: 
     Returns:
         The wrapped function (or a decorator, when called with options only).
     """
-    def decorate(fn: F) -> F:
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
             return _loop(fn, state, args, kwargs, Settings(discovery, min_size, max_size, timeout), failure)
 
-        return wrapper  # type: ignore[return-value]
+        return wrapper
 
     return decorate if func is None else decorate(func)
 

@@ -62,6 +62,10 @@ class _Reducer:
     def communicators(self) -> Iterator[MPI.Comm]:
         return _ulfm.communicators_in(self.reducer)
 
+    def release(self) -> None:
+        """Stop the watchdog (at exit, before MPI is finalized); local."""
+        self.reducer._instrument.close(write=False)
+
     def rebuild(self, comm: MPI.Intracomm) -> None:
         params, kwargs = reducer_arguments(self.reducer)
         self.reducer._abandon()
@@ -80,6 +84,10 @@ class _Optimizer:
 
     def communicators(self) -> Iterator[MPI.Comm]:
         return _ulfm.communicators_in(self.optimizer)
+
+    def release(self) -> None:
+        """Stop the watchdog (at exit, before MPI is finalized); local."""
+        self.optimizer.reducer._instrument.close(write=False)
 
     def rebuild(self, comm: MPI.Intracomm) -> None:
         from .. import torch as mgr_torch

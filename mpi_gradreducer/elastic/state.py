@@ -51,7 +51,7 @@ class State:
 
     @property
     def rank(self) -> int:
-        """This rank in :attr:`comm`."""
+        """This rank in ``comm``."""
         return self._world.comm.Get_rank()
 
     @property
@@ -110,7 +110,7 @@ class State:
         raise NotImplementedError
 
     def sync_from(self, root: int) -> None:
-        """Take rank ``root``'s state (collective over :attr:`comm`)."""
+        """Take rank ``root``'s state (collective over ``comm``)."""
         raise NotImplementedError
 
 

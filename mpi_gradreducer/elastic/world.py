@@ -13,6 +13,7 @@ rank sees them started, the two sides merge into one communicator.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
@@ -38,6 +39,8 @@ TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
 #: After this many failed starts of new ranks, the job stops trying (it goes on with the ranks it has).
 MAX_FAILED_SPAWNS = 3
+#: How long MPI_Finalize may take, at exit, in a process that lived through a change of ranks.
+FINALIZE_SECONDS = 10.0
 #: How often rank 0 looks at the discovery script or host file while training.
 LOOK_EVERY = 1.0
 
@@ -101,6 +104,7 @@ class World:
         self._pending: tuple[MPI.Request, np.ndarray, bool] | None = None
         self._failed_spawns = 0
         self._joined = False
+        self._guarded = False
         #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
         self.recovery_seconds = 0.0
 
@@ -119,7 +123,7 @@ class World:
             yield self._spawner.comm
 
     def rebuild(self) -> None:
-        """Rebuild every tracked object on :attr:`comm` (collective), in the order tracked."""
+        """Rebuild every tracked object on ``comm`` (collective), in the order tracked."""
         for t in self._tracked:
             t.rebuild(self.comm)
 
@@ -135,6 +139,7 @@ class World:
         if self._joined or parent == MPI.COMM_NULL:
             return False
         self._joined = True
+        self._guard_exit()
         _ulfm.returning(parent)
         merged = parent.Merge(high=True)
         parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
@@ -160,6 +165,7 @@ class World:
             ElasticError: fewer than ``min_size`` ranks are left and no room came within the timeout.
         """
         t0 = time.perf_counter()
+        self._guard_exit()
         failure = _ulfm.failure_of(error)
         where = failure.Get_error_string() if failure is not None else f"{type(error).__name__}: {error}"
         _ulfm.revoke(self.communicators())
@@ -180,6 +186,7 @@ class World:
         self.rebuild()
 
     def _merge(self) -> None:
+        self._guard_exit()
         spawner, self._spawner = self._spawner, None
         assert spawner is not None and spawner.inter is not None
         merged = spawner.inter.Merge(high=False)
@@ -187,7 +194,7 @@ class World:
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
 
     def check_host_updates(self) -> None:
-        """At a commit: start new ranks where the discovery lists room, raise :attr:`interrupt` once they are up.
+        """At a commit: start new ranks where the discovery lists room, raise ``interrupt`` once they are up.
 
         Every rank reaches the same decision: each commit completes the small
         nonblocking reduction that the commit before started (rank 0's look
@@ -247,6 +254,22 @@ class World:
         return False
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _guard_exit(self) -> None:
+        """At exit, finalize MPI within :data:`FINALIZE_SECONDS`, or exit without it.
+
+        After a loss, Open MPI 5's ``MPI_Finalize`` was seen to wait for good
+        in some survivors (open-mpi/ompi issue 11404; here about one run in
+        three after two ranks were lost at once). Registered once, when this
+        process first lives through a change of ranks: it stops the tracked
+        objects' watchdogs (no MPI call may follow the finalize), finalizes
+        on a thread, and if that has not returned in time, ends the process
+        with ``os._exit``: status 1 after an uncaught exception, else 0.
+        """
+        if self._guarded:
+            return
+        self._guarded = True
+        atexit.register(_finalize_within, self._tracked, FINALIZE_SECONDS)
 
     def _replace(self, comm: MPI.Intracomm) -> None:
         old, self.comm = self.comm, comm
@@ -318,6 +341,28 @@ class World:
                     f"{settings.min_size}, and no room for replacements appeared within {settings.timeout:g} s "
                     f"({settings.discovery.describe()}); ending the job")
             time.sleep(1.0)
+
+
+def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
+    if MPI.Is_finalized():
+        return
+    for t in tracked:
+        release = getattr(t, "release", None)
+        if release is not None:
+            release()
+    finalize = threading.Thread(target=MPI.Finalize, name="mpi_gradreducer-finalize", daemon=True)
+    finalize.start()
+    finalize.join(seconds)
+    if finalize.is_alive():
+        failed = getattr(sys, "last_type", None) is not None or getattr(sys, "last_exc", None) is not None
+        sys.stderr.write(f"mpi_gradreducer.elastic: MPI_Finalize has not returned after {seconds:g} s (a known "
+                         "wait of Open MPI's after lost ranks); exiting without it\n")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream must not stop the exit
+                pass
+        os._exit(1 if failed else 0)
 
 
 def _safe_hosts(discovery: Discovery) -> dict[str, int]:

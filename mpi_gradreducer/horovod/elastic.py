@@ -73,7 +73,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     See :func:`mpi_gradreducer.elastic.run` (the discovery, minimum and
     maximum size come from the environment here).
     """
-    return _elastic.run(func, failure=lambda exc: isinstance(exc, HorovodInternalError))  # type: ignore[no-any-return]
+    return _elastic.run(func, failure=lambda exc: isinstance(exc, HorovodInternalError))
 
 
 class _Context:
@@ -281,7 +281,7 @@ class _Slot:
         self.index = index
 
 
-class ElasticSampler(torch.utils.data.Sampler):  # type: ignore[type-arg]
+class ElasticSampler(torch.utils.data.Sampler):
     """Shares a dataset's indices among the ranks training now, skipping those already processed this epoch.
 
     Horovod's ``ElasticSampler``: put it in the :class:`TorchState`, call
