@@ -14,6 +14,7 @@ rank sees them started, the two sides merge into one communicator.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import socket
 import sys
@@ -350,7 +351,11 @@ def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
         release = getattr(t, "release", None)
         if release is not None:
             release()
-    finalize = threading.Thread(target=MPI.Finalize, name="mpi_gradreducer-finalize", daemon=True)
+    library = _libmpi()
+    if library is None:
+        return
+    # through ctypes, which lets go of the GIL during the call (mpi4py's Finalize keeps it: no timeout then)
+    finalize = threading.Thread(target=library.MPI_Finalize, name="mpi_gradreducer-finalize", daemon=True)
     finalize.start()
     finalize.join(seconds)
     if finalize.is_alive():
@@ -363,6 +368,19 @@ def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
             except Exception:  # a closed stream must not stop the exit
                 pass
         os._exit(1 if failed else 0)
+
+
+def _libmpi() -> ctypes.CDLL | None:
+    """The MPI library this process has loaded (from ``/proc/self/maps``), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return ctypes.CDLL(path)
+    except (OSError, IndexError):
+        pass
+    return None
 
 
 def _safe_hosts(discovery: Discovery) -> dict[str, int]:
