@@ -1,8 +1,8 @@
 """Rebuilding reducers and optimizers on a new communicator, with the options they were made with.
 
 :func:`reducer_arguments` is the one place that knows how to make a reducer
-again from a live one: its parameters' shapes and its resolved options, read
-back as constructor arguments.
+again from a live one: its parameters' shapes and its resolved options
+(``DistributedGradReducer(params, group=new, options=old.options)``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from mpi4py import MPI
 
 from .._core import backend
+from .._core.options import Options
 from ..reducer import DistributedGradReducer
 from . import _ulfm
 
@@ -33,24 +34,17 @@ class Rebuildable(Protocol):
         ...
 
 
-def reducer_arguments(reducer: DistributedGradReducer) -> tuple[list[Any], dict[str, Any]]:
-    """Parameters and keyword arguments that make a reducer like ``reducer`` (local).
+def reducer_arguments(reducer: DistributedGradReducer) -> tuple[list[Any], Options]:
+    """Parameters and options that make a reducer like ``reducer`` (local).
 
     The parameters are fresh arrays of the same shapes, dtypes and devices
-    (never written; host ones take no memory until touched). ``degree`` is
-    passed only when it was given: otherwise the new reducer divides by its
-    own number of ranks.
+    (never written; host ones take no memory until touched); the options are
+    the reducer's resolved ones (a ``degree`` that was not given stays
+    unset: the new reducer divides by its own number of ranks).
     """
-    o = reducer.options
     params = [backend.empty(max(1, math.prod(s.shape)), s.dtype, s.device)[:math.prod(s.shape)].reshape(s.shape)
               for s in reducer._specs]
-    kwargs: dict[str, Any] = dict(
-        mean=o.mean, degree=o.degree if o.fixed_degree else None, fusion=list(o.ids), skip=list(o.skip),
-        bucket_bytes="auto" if o.bucket_bytes is None else o.bucket_bytes, validate=o.validate, timeout=o.timeout,
-        stall_warning=o.stall_warning, check_finite=o.check_finite, cuda_aware=o.cuda_aware, timeline=o.timeline,
-        compression=o.powersgd if o.powersgd is not None else o.compression, predivide=o.predivide,
-        coalesce=o.coalesce, progress=o.progress, deterministic=o.deterministic)
-    return params, kwargs
+    return params, reducer.options
 
 
 class _Reducer:
@@ -67,9 +61,9 @@ class _Reducer:
         self.reducer._instrument.close(write=False)
 
     def rebuild(self, comm: MPI.Intracomm) -> None:
-        params, kwargs = reducer_arguments(self.reducer)
+        params, options = reducer_arguments(self.reducer)
         self.reducer._abandon()
-        DistributedGradReducer.__init__(self.reducer, params, group=comm, **kwargs)
+        DistributedGradReducer.__init__(self.reducer, params, group=comm, options=options)
 
 
 class _Optimizer:
@@ -93,8 +87,8 @@ class _Optimizer:
         from .. import torch as mgr_torch
 
         opt = self.optimizer
-        _, kwargs = reducer_arguments(opt.reducer)
-        kwargs["fusion"], kwargs["skip"] = kwargs["fusion"][1:], kwargs["skip"][1:]  # without the flags
+        _, flagged = reducer_arguments(opt.reducer)
+        options = flagged.replace(fusion=flagged.ids[1:], skip=flagged.skipped[1:])  # without the flags
         names = opt._names
         for hook in opt._hooks:
             hook.remove()
@@ -104,7 +98,7 @@ class _Optimizer:
         except MPI.Exception:
             pass
         opt.reducer._abandon()
-        mgr_torch.DistributedOptimizer.__init__(opt, opt.optimizer, opt.passes, group=comm, **kwargs)
+        mgr_torch.DistributedOptimizer.__init__(opt, opt.optimizer, opt.passes, comm, options=options)
         opt._names = names
 
 
