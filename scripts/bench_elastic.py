@@ -93,7 +93,7 @@ def _step_job() -> None:
         t0 = time.perf_counter()
         for _ in range(n):
             rows = rng.integers(0, len(data.x_train), 32)
-            forward_backward(params, data.x_train[rows], data.y_train[rows], grads)
+            forward_backward(params, data.x_train[rows], data.y_train[rows], 1.0 / (32 * comm.Get_size()), grads)
             reducer(grads)
             opt.step(grads)
             if commit:
@@ -110,7 +110,7 @@ def _step_job() -> None:
         ratio = statistics.median(w / p for w, p in zip(with_commit, plain, strict=True))
         print(f"digits step with a commit every step: {ratio:.3f} x the step without "
               f"({statistics.median(plain) * 1e3:.3f} ms -> {statistics.median(with_commit) * 1e3:.3f} ms, "
-              f"{comm.Get_size()} ranks, {MPI.Get_library_version().split(',')[0]})")
+              f"{comm.Get_size()} ranks, {MPI.Get_library_version().splitlines()[0].split(',')[0].strip()})")
     reducer.free()
 
 
@@ -153,11 +153,14 @@ def _after_kill(replace: bool) -> float:
             new = (out / f"pid.new.{pid}").exists()
             if replace != new:
                 continue
-            lines = log.read_text().splitlines()
-            after = [float(line.split()[2]) for line in lines if line.startswith("commit ")
-                     and float(line.split()[2]) > killed]
-            if after:
-                firsts.append(after[0] - killed)
+            resumed = False  # the first step completed after the first resume that followed the kill
+            for line in log.read_text().splitlines():
+                words = line.split()
+                if words[0] == "resume" and float(words[3]) > killed:
+                    resumed = True
+                elif words[0] == "commit" and resumed:
+                    firsts.append(float(words[2]) - killed)
+                    break
         if not firsts:
             raise RuntimeError("no step completed after the kill")
         return min(firsts)

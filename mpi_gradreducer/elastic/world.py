@@ -178,6 +178,8 @@ class World:
         if self.comm.Get_size() < self.settings.min_size:
             self._wait_for_room()
         self.rebuild()
+        if self.settings.discovery.configured and self._failed_spawns < MAX_FAILED_SPAWNS:
+            self._start_spawn(None)  # replacements start now, on a thread; they join at a commit
         self.recovery_seconds = time.perf_counter() - t0
         return lost
 
@@ -288,9 +290,14 @@ class World:
     def _hosts_here(self) -> list[str]:
         return self.comm.allgather(MPI.Get_processor_name())
 
-    def _start_spawn(self, want: int) -> None:
-        """Start ``want`` new ranks in the background, where the discovery lists free slots (collective)."""
+    def _start_spawn(self, want: int | None) -> None:
+        """Start ``want`` new ranks in the background (None: up to the target size), where the discovery lists
+        free slots (collective)."""
         hosts = self.comm.bcast(_safe_hosts(self.settings.discovery) if self.comm.Get_rank() == 0 else None)
+        if want is None:
+            want = self._target(sum(hosts.values())) - self.comm.Get_size()
+        if want <= 0:
+            return
         places = placement(hosts, self._hosts_here(), want)
         if places:
             self._spawner = _Spawner(self.comm, places)
