@@ -235,6 +235,35 @@ def test_watchdog_does_not_abort_the_survivors(tmp_path: Path) -> None:
         assert "Aborting the job" not in job.output
 
 
+def test_discovery_lines_and_placement(tmp_path: Path) -> None:
+    """Host lists with Horovod's semantics: HOST[:SLOTS], localhost is this host, free slots in listed order."""
+    import socket
+
+    from mpi_gradreducer.elastic import Discovery
+    from mpi_gradreducer.elastic.discovery import parse_hosts, placement
+
+    here = socket.gethostname()
+    assert parse_hosts("a:2\n# comment\nb\n\nlocalhost:3  # this one\na:1\n", slots=4) == {"a": 3, "b": 4, here: 3}
+    with pytest.raises(ValueError, match=r"the host list, line 2: expected HOST or HOST:SLOTS .* got 'b:0'"):
+        parse_hosts("a:1\nb:0")
+    assert placement({"a": 2, "b": 2}, ["a", "b", "b"], 3) == ["a"]
+    assert placement({"a": 2, "b": 2}, [], 3) == ["a", "a", "b"]
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho nodeA:2\necho nodeB\n")
+    script.chmod(0o755)
+    assert Discovery(script=str(script), slots=2).hosts() == {"nodeA": 2, "nodeB": 2}
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("nodeC:5\n")
+    assert Discovery(hostfile=str(hostfile)).hosts() == {"nodeC": 5}
+    failing = tmp_path / "fail.sh"
+    failing.write_text("#!/bin/sh\necho broken >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"exited with 3: broken"):
+        Discovery(script=str(failing)).hosts()
+    with pytest.raises(ValueError, match="both set"):
+        Discovery.from_env({"MPI_GRADREDUCER_ELASTIC_DISCOVERY": "x", "MPI_GRADREDUCER_ELASTIC_HOSTFILE": "y"})
+
+
 def test_mpich_says_once_that_a_loss_ends_the_job(tmp_path: Path) -> None:
     """Under an MPI without ULFM the run loop says so once, naming the fix, and trains as usual."""
     from mpi4py import MPI

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -52,8 +51,8 @@ def parse_hosts(text: str, slots: int = 1, source: str = "the host list") -> dic
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        host, _, count = line.rpartition(":") if ":" in line and not line.startswith("[") else (line, "", "")
-        if not count:
+        host, colon, count = line.rpartition(":")
+        if not colon:
             host, n = line, slots
         else:
             try:
@@ -158,9 +157,3 @@ def placement(hosts: Mapping[str, int], running: Sequence[str], wanted: int) -> 
         free = max(0, slots - busy.get(host, 0))
         places += [host] * min(free, wanted - len(places))
     return places
-
-
-def warn(line: str) -> None:
-    """One line on stderr, written at once."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()

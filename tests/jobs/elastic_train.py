@@ -29,6 +29,7 @@ What the test reads, all under ``--out``:
 reducer call at that step (the others wait for it in the collective).
 ``--slow-sync RANK``: after a failure, that original rank sleeps at the
 start of the sync (the others wait for it, inside the recovery).
+``kill -USR1`` on a rank prints its threads' stacks (to look at a hang).
 """
 
 from __future__ import annotations
@@ -145,9 +146,7 @@ def main() -> None:
     at("done", state.step)
     np.save(out / f"final.{pid}.npy", np.concatenate([p.ravel() for p in params[:2]]))
     (out / f"final.{pid}.txt").write_text(f"{state.step} {state.size}")
-    log.write("freeing\n")
     reducer.free()
-    log.write("freed\n")
 
 
 if __name__ == "__main__":
