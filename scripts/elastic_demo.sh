@@ -19,7 +19,11 @@ timeout 600 "${launch[@]}"
 echo "== 4 ranks, rank 2 killed (SIGKILL) during epoch 1"
 timeout 600 "${launch[@]}" --out "$out" &
 job=$!
-until grep -qs "epoch 1 " "$out"/log.* 2>/dev/null; do sleep 0.2; done
+for _ in $(seq 3000); do  # at most 10 minutes, and only while the job runs
+  grep -qs "epoch 1 " "$out"/log.* 2>/dev/null && break
+  kill -0 "$job" 2>/dev/null || { echo "the job ended before epoch 1"; exit 1; }
+  sleep 0.2
+done
 sleep 0.5
 echo "(killing rank 2, process $(cat "$out/pid.2"))"
 kill -9 "$(cat "$out/pid.2")"
