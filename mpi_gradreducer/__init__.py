@@ -19,6 +19,7 @@ if _os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip() in ("1", "true") and \
     _os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
 
 from ._core.groups import broadcast_parameters, create_group, local_rank, select_device
+from ._core.hooks import GradBucket
 from ._core.options import Options
 from ._core.planning import Bucket
 from ._core.powersgd import PowerSGD
@@ -34,6 +35,7 @@ __version__ = "0.6.0"
 __all__ = [
     "Bucket",
     "DistributedGradReducer",
+    "GradBucket",
     "Options",
     "Piece",
     "PowerSGD",

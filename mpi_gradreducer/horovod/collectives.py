@@ -31,7 +31,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._core.compression import compressed_allreduce, half_format
+from .._core.summers import compressed_allreduce
+from .._core.wire import half_format
 from .context import current
 from .elastic import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
