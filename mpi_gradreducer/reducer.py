@@ -296,20 +296,14 @@ class DistributedGradReducer:
         """
         self._overlap.close()
         self._instrument.close(write=False)
-        if self._compression is not None:
-            self._compression.free()
         if self._comm != MPI.COMM_NULL:
             self._plan.free()
             self._replay.forget()
-            for comm in (self._local, self._comm):
+            for release in (self._local.Free, self._summers.free, self._comm.Free):
                 try:
-                    comm.Free()
+                    release()
                 except MPI.Exception:
                     pass
-            try:
-                self._hosts.free()
-            except MPI.Exception:
-                pass
 
     def __enter__(self) -> DistributedGradReducer:
         return self
