@@ -285,6 +285,26 @@ class DistributedGradReducer:
             self._summers.free()
             self._comm.Free()
 
+    def _abandon(self) -> None:
+        """Release everything with no collective and no timeline: some of the ranks are gone (elastic mode).
+
+        For :mod:`mpi_gradreducer.elastic`, after it has revoked the
+        reducer's communicators: the communication thread ends at once (its
+        operations fail), the watchdog stops, and the communicators are freed
+        locally (Open MPI with ULFM frees a revoked communicator without its
+        peers).
+        """
+        self._overlap.close()
+        self._instrument.close(write=False)
+        if self._comm != MPI.COMM_NULL:
+            self._plan.free()
+            self._replay.forget()
+            for release in (self._local.Free, self._summers.free, self._comm.Free):
+                try:
+                    release()
+                except MPI.Exception:
+                    pass
+
     def __enter__(self) -> DistributedGradReducer:
         return self
 

@@ -110,10 +110,11 @@ class Instrument:
         if self._timeline is not None:
             self._timeline.record(name, start, end, **args)
 
-    def close(self) -> None:
-        """Write the timeline (collective) and stop the watchdog (local)."""
+    def close(self, write: bool = True) -> None:
+        """Write the timeline (collective; ``write=False`` drops it) and stop the watchdog (local)."""
         if self._timeline is not None:
-            self._timeline.close()
+            if write:
+                self._timeline.close()
             self._timeline = None
         if self.watchdog is not None:
             self.watchdog.close()
