@@ -26,6 +26,7 @@ from ._core.powersgd import PowerSGD
 from ._core.shard import Piece, Shard
 from ._core.sparse import RowSparse
 from ._core.steps import ReductionStep
+from ._core.timeline import Timeline
 from .reducer import DistributedGradReducer, ReducerStats
 
 #: This version of the package, written only here (setup.cfg and the docs read it).
@@ -43,6 +44,7 @@ __all__ = [
     "ReductionStep",
     "RowSparse",
     "Shard",
+    "Timeline",
     "broadcast_parameters",
     "create_group",
     "local_rank",
