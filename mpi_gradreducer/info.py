@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from mpi4py import MPI
 from . import __version__
 from ._core import options
 from ._core.topology import Topology
+from .launch import Launcher
 
 __all__ = ["collect", "format_report", "main"]
 
@@ -39,9 +41,16 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
         A dict of plain values (JSON-serialisable). Keys: ``mpi_gradreducer``,
         ``python``, ``numpy``, ``mpi4py``, ``mpi_library``, ``mpi_vendor``,
         ``mpi_standard``, ``thread_level``, ``cuda_aware``, ``cuda_aware_source``,
+        ``ulfm`` (the library has ULFM fault tolerance), ``ulfm_enabled`` (this
+        job was started with it: True, False, or None without ULFM),
+        ``launcher`` (the ``mpiexec`` a user of this Python would run, as
+        :class:`~mpi_gradreducer.launch.Launcher` names it, or why there is
+        none), ``launcher_matches`` (whether that ``mpiexec`` is of this
+        library: under another MPI's, ranks start alone; None without one),
         ``cupy``, ``cupy_devices``, ``rank``, ``ranks``, ``hosts`` (host name to
         its ranks, in rank order), ``nodes`` and ``ranks_per_node`` (one count
-        per host: ranks that share memory and a processor name).
+        per host: ranks that share memory and a processor name). ``launcher``
+        and ``launcher_matches`` are rank 0's.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     try:
@@ -59,6 +68,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
         "mpi_vendor": f"{vendor} {'.'.join(str(v) for v in vendor_version)}",
         "mpi_standard": "{}.{}".format(*MPI.Get_version()),
         "thread_level": _thread_level_name(MPI.Query_thread()),
+        **_ulfm(vendor),
         "cuda_aware": cuda_aware,
         "cuda_aware_source": cuda_source,
         "cupy": cupy_version,
@@ -66,6 +76,7 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
         "rank": comm.Get_rank(),
         "ranks": comm.Get_size(),
     }
+    info.update(comm.bcast(_launcher(vendor) if comm.Get_rank() == 0 else None, root=0))
     info.update(_placement(comm))
     return info
 
@@ -91,6 +102,10 @@ def format_report(info: dict[str, Any]) -> str:
         ("MPI vendor", info["mpi_vendor"]),
         ("MPI standard", info["mpi_standard"]),
         ("thread level", f"{info['thread_level']} (provided)"),
+        ("ULFM", _ulfm_text(info)),
+        ("launcher", info["launcher"] + {True: "", None: "",
+                                         False: " (NOT this MPI library's: its ranks would start alone)"}[
+                                             info["launcher_matches"]]),
         ("CUDA-aware MPI", f"{aware} (from {info['cuda_aware_source']})"),
         ("cupy", cupy),
         ("ranks", str(info["ranks"])),
@@ -122,6 +137,32 @@ def main(argv: Sequence[str] | None = None, out: TextIO | None = None) -> int:
         stream.write(text + "\n")
         stream.flush()
     return 0
+
+
+def _ulfm(vendor: str) -> dict[str, Any]:
+    """Whether the library has ULFM (mpi4py then knows ``MPI_ERR_PROC_FAILED``), and whether this job enabled it."""
+    built_in = MPI.ERR_PROC_FAILED != MPI.ERR_UNKNOWN
+    enabled = None
+    if built_in:  # Open MPI: mpiexec --with-ft ulfm sets its mpi_ft_enable for the ranks
+        enabled = vendor == "Open MPI" and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true")
+    return {"ulfm": built_in, "ulfm_enabled": enabled}
+
+
+def _ulfm_text(info: dict[str, Any]) -> str:
+    if not info["ulfm"]:
+        return "no (a lost rank ends the job)"
+    if info["ulfm_enabled"]:
+        return "yes, enabled in this job"
+    return "built in, not enabled in this job (start it with mpiexec --with-ft ulfm)"
+
+
+def _launcher(vendor: str) -> dict[str, Any]:
+    """The mpiexec beside this Python (else on PATH), and whether it is of the library ``vendor`` names."""
+    try:
+        found = Launcher.find()
+    except RuntimeError as exc:
+        return {"launcher": f"none usable: {exc}", "launcher_matches": None}
+    return {"launcher": str(found), "launcher_matches": found.vendor == vendor}
 
 
 def _thread_level_name(level: int) -> str:

@@ -7,7 +7,9 @@ As root (it makes a cluster of network namespaces with ``scripts/cluster.py``)::
     python scripts/bench_hosts.py --hosts 4 --ppn 1 --workload bert-base --reps 5 \\
         --rates 1gbit,10gbit --out out/bert --plot out/bert/rates.png
 
-It brings one cluster up (``--name``, default ``bhosts``), and for each rate
+It runs under the MPI of the Python that runs it (``cluster.py`` starts the
+``mpiexec`` beside it: MPICH's, Open MPI's or Intel MPI's; the summary names
+it). It brings one cluster up (``--name``, default ``bhosts``), and for each rate
 reshapes every host's NIC (``cluster.py rate``), then runs
 ``python -m mpi_gradreducer.bench --workload W --link-rate RATE --json ...``
 across the hosts (MPI over TCP through the NICs), for the methods ``limit``
@@ -157,6 +159,7 @@ def summarise(args: argparse.Namespace, done: dict[str, str]) -> dict[str, Any]:
         out["gradient_bytes"] = net["gradient_bytes"]
         out["ring_bytes"] = net["ring_bytes"]
         env = results["environment"]
+        out["mpi"] = env.get("mpi_vendor")
         out["rates"].append({"rate": text, "link_rate_bps": net["link_rate_bps"],
                              "wire_bound_ms": net["wire_bound_ms"], "hosts_measured": net["hosts"],
                              "limit_chunk": res.get("limit_chunk"), "skipped": res.get("skipped", {}),
@@ -178,7 +181,7 @@ def table(summary: dict[str, Any]) -> str:
     width = 22
     head = f"{'':<18}" + "".join(f"{format_rate(r['link_rate_bps']):>{width}}" for r in rows)
     lines = [f"{summary['workload']}: {bytes_label(summary['gradient_bytes'])} of gradients, {summary['hosts']} "
-             f"hosts x {summary['ppn']} ranks, {summary['reps']} reps; ring optimum "
+             f"hosts x {summary['ppn']} ranks, {summary.get('mpi') or 'MPI'}, {summary['reps']} reps; ring optimum "
              f"{bytes_label(int(summary['ring_bytes']))} sent per host and call",
              "time per call, ms (x wire bound)", head,
              f"{'wire bound':<18}" + "".join(f"{format_ms(r['wire_bound_ms']):>{width}}" for r in rows)]

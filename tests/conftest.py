@@ -8,18 +8,27 @@ instead the failing rank prints its report to stderr and aborts the job.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
-import shutil
+import re
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpi_gradreducer.launch import Launcher, find_mpiexec
+
 WORLD = MPI.COMM_WORLD
+ROOT = Path(__file__).resolve().parents[1]
+JOBS = ROOT / "tests" / "jobs"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -125,22 +134,175 @@ def torch():
     return th
 
 
-def run_job(script: str, *args: str, ranks: int = 4, limit: float = 300) -> subprocess.CompletedProcess:
-    """``mpiexec -n RANKS python -m mpi4py SCRIPT ARGS`` from the repository, to its end (at most ``limit`` s).
+#: Hard limit on one job that :func:`run_job` starts, unless the test gives its own.
+JOB_LIMIT = 60.0
+#: The environment variable that marks every process of a job that :func:`run_job` starts (its value
+#: is unique to the job): how the processes that outlive ``mpiexec`` are found, whatever their session.
+JOB_MARK = "MPI_GRADREDUCER_TEST_JOB"
+#: Variables of this process that a job does not get: an enclosing launch's, the library's own settings,
+#: mpi4py's runtime options, and unbuffered output (what a test parses must be flushed by the code).
+JOB_STRIPPED = ("PMI_", "PMIX_", "HYDRA_", "PRTE_", "MPIR_", "OMPI_", "I_MPI_", "MPI_GRADREDUCER_", "MPI4PY_",
+                "PYTHONUNBUFFERED")
 
-    The job gets none of this process's MPI launch variables, one thread per
-    rank for OpenMP, and the repository on ``PYTHONPATH``; the test skips where
-    no ``mpiexec`` is found.
+
+@dataclass
+class Job:
+    """What a finished job left behind."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    command: list[str]
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+    def lines(self, pattern: str) -> list[re.Match]:
+        """The stdout lines that match ``pattern`` in full."""
+        return [m for m in map(re.compile(pattern).fullmatch, self.stdout.splitlines()) if m]
+
+    def __str__(self) -> str:
+        return (f"`{' '.join(self.command)}`: exit status {self.returncode} after {self.seconds:.1f} s\n"
+                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
+
+
+@functools.cache
+def job_launcher() -> Launcher | None:
+    """The launcher that jobs start with: the ``mpiexec`` beside this Python, else on ``PATH``; None if none."""
+    path = find_mpiexec()
+    return None if path is None else Launcher.detect(path)
+
+
+def run_job(script: str, *args: str, ranks: int = 4, runner: bool = True, module: bool = False,
+            limit: float = JOB_LIMIT, env: dict[str, str] | None = None, fault_tolerance: bool = False,
+            tag_output: bool = False) -> Job:
+    """Run ``mpiexec -n RANKS python [-m mpi4py] SCRIPT ARGS`` from the repository, to its end.
+
+    The one way the tests start a whole MPI job, under whichever MPI this
+    Python has (:mod:`mpi_gradreducer.launch` writes each launcher's command
+    line; more ranks than cores are allowed). The job runs in a session of
+    its own, with none of this process's :data:`JOB_STRIPPED` variables, one
+    OpenMP thread per rank and the repository on ``PYTHONPATH``; ``env`` adds
+    to that. Every process of the job carries :data:`JOB_MARK` in its
+    environment. Past ``limit`` seconds, the whole job (its process group,
+    every process below ``mpiexec`` and every marked process, in whatever
+    session the launcher put it) is killed and the test fails; it also fails
+    when any process of the job outlives ``mpiexec`` (named, then killed), or
+    survives the kill. Skipped, on every rank alike, where there is no
+    ``mpiexec`` or pytest itself runs on several ranks.
+
+    Args:
+        script: a path (relative ones from ``tests/jobs``), or a module name with ``module=True``.
+        args: the script's arguments.
+        ranks: the job's size.
+        runner: start it under mpi4py's runner (``-m mpi4py``: an exception on any rank aborts the job).
+        module: ``script`` is a module to run as ``python -m``.
+        limit: seconds the job may take.
+        env: more environment variables for the job.
+        fault_tolerance: start it with ULFM (``--with-ft ulfm``; skipped where the MPI has none).
+        tag_output: every output line prefixed with its rank (the launcher's way; see ``Launcher.untag``).
     """
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        pytest.skip("needs mpiexec")
-    root = str(Path(__file__).resolve().parents[1])
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_GRADREDUCER_"))}
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", script, *args], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=limit)
+    if WORLD.Get_size() > 1:
+        pytest.skip("launches its own MPI jobs: run from a single process")
+    launcher = job_launcher()
+    if launcher is None:
+        pytest.skip("no mpiexec beside this Python or on PATH")
+    if fault_tolerance and not launcher.supports_ulfm:
+        pytest.skip(f"needs ULFM: {launcher.vendor}'s mpiexec has none")
+    target = ["-m", script] if module else [str(JOBS / script)]
+    program = [sys.executable, *(["-m", "mpi4py"] if runner else []), *target, *args]
+    cmd = launcher.command(program, ranks=ranks, oversubscribe=True, fault_tolerance=fault_tolerance,
+                           tag_output=tag_output)
+    mark = uuid.uuid4().hex
+    job_env = {k: v for k, v in os.environ.items() if not k.startswith(JOB_STRIPPED)}
+    job_env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([job_env["PYTHONPATH"]] if job_env.get("PYTHONPATH")
+                                                          else []))
+    job_env["OMP_NUM_THREADS"] = "1"
+    job_env.update(env or {})
+    job_env = launcher.environment(job_env)
+    job_env[JOB_MARK] = mark
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        survivors = kill_job(proc.pid, mark)
+        try:
+            stdout, stderr = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a survivor holds the pipes
+            stdout, stderr = "(not collected)", "(not collected)"
+        pytest.fail(f"the job did not end within {limit:g} s and was killed: {' '.join(cmd)}"
+                    + (f"\nprocesses that survived SIGKILL: {describe(survivors)}" if survivors else "")
+                    + f"\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
+    job = Job(proc.returncode, stdout, stderr, time.monotonic() - start, cmd)
+    deadline = time.monotonic() + 5
+    while marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = marked(mark)
+    if left:
+        survivors = kill_job(proc.pid, mark)
+        pytest.fail(f"processes of the job outlived mpiexec: {describe(left)}"
+                    + (f"; these survived SIGKILL: {describe(survivors)}" if survivors else "") + f"\n{job}")
+    return job
+
+
+def marked(mark: str) -> dict[int, str]:
+    """Live processes whose environment holds ``JOB_MARK=mark``: pid to command line (Linux; elsewhere none)."""
+    needle = f"{JOB_MARK}={mark}".encode()
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace").strip()
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def describe(procs: dict[int, str]) -> str:
+    return "; ".join(f"pid {pid}: {cmd[:100]}" for pid, cmd in sorted(procs.items()))
+
+
+def _descendants(root: int) -> list[int]:
+    """Processes below ``root`` in the process tree (Linux; elsewhere none)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for pid in children.get(todo.pop(), []):
+            found.append(pid)
+            todo.append(pid)
+    return found
+
+
+def kill_job(pid: int, mark: str) -> dict[int, str]:
+    """SIGKILL a job: ``mpiexec``'s process group, every process below it and every marked one.
+
+    Returns:
+        The marked processes still alive 5 s later (pid to command line): none, unless a kill failed.
+    """
+    for target in {*_descendants(pid), *marked(mark)}:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except OSError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    deadline = time.monotonic() + 5
+    while marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return marked(mark)
 
 
 def cluster_unavailable() -> str | None:

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
+from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value, run_job
 from mpi_gradreducer import DistributedGradReducer
 
 SHAPES = [(40, 30), (30,), (300, 1024), (7,), (), (64, 64), (5, 0), (1000,)]
@@ -126,13 +123,9 @@ def test_interpreter_exits_cleanly_with_a_live_reducer(tmp_path):
         "s.ready(1)\n"
         "print('exiting', flush=True)\n"
     )
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    cmd = [sys.executable, str(script)]
-    if os.path.exists(mpiexec):
-        cmd = [mpiexec, "-n", "2", *cmd]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.count("exiting") == (2 if len(cmd) > 2 else 1)
+    job = run_job(str(script), ranks=2, runner=False)
+    assert job.returncode == 0, str(job)
+    assert job.stdout.count("exiting") == 2, str(job)
 
 
 @pytest.mark.mpi

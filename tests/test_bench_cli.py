@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import importlib
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import WORLD
+from conftest import WORLD, run_job
 from mpi_gradreducer import bench
 from mpi_gradreducer.bench import cli, compression, gpu, host
 
@@ -80,21 +76,12 @@ def test_the_old_gpu_entry_point_is_the_gpu_benchmark():
     assert compression.MODES[0] == "none"
 
 
-def _mpiexec() -> str | None:
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.is_file() else shutil.which("mpiexec")
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(_mpiexec() is None, reason="no mpiexec next to the Python executable or on PATH")
-@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own MPI job: run from a single process")
 @pytest.mark.parametrize("module, args, status, marker", [
     ("mpi_gradreducer.bench", ["--help"], 0, "usage:"),
     ("mpi_gradreducer.bench_gpu", ["--bogus"], 2, "error: unrecognized arguments: --bogus"),
 ])
 def test_module_under_mpiexec_prints_once(module, args, status, marker):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([_mpiexec(), "-n", "2", sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == status, proc.stderr
-    assert (proc.stdout + proc.stderr).count(marker) == 1, proc.stdout + proc.stderr
+    job = run_job(module, *args, ranks=2, runner=False, module=True, limit=120)
+    assert job.returncode == status, str(job)
+    assert job.output.count(marker) == 1, str(job)

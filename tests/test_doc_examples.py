@@ -17,9 +17,8 @@ import tempfile
 
 import pytest
 
-from conftest import WORLD
+from conftest import WORLD, run_job
 from docexamples import Example, all_examples
-from test_faults import MPIEXEC, run_job
 
 EXAMPLES = all_examples()
 RUNNABLE = [e for e in EXAMPLES if e.fragment is None and not e.doctest]
@@ -55,8 +54,6 @@ def test_doctest(example: Example):
 @pytest.fixture(scope="module")
 def ran() -> dict[str, str]:
     """Run every runnable example in one 4-rank job; the errors per example."""
-    if MPIEXEC is None:
-        pytest.skip("no mpiexec next to the Python executable or on PATH")
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:

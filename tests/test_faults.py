@@ -1,8 +1,9 @@
 """Whole MPI jobs with a fault on one rank: the job must end, and say why, never hang.
 
 Each test launches ``mpiexec -n 4`` on a script in ``tests/jobs/`` as a
-subprocess with a hard time limit; on that limit every process of the job is
-killed and the test fails. The jobs are launched the documented way::
+subprocess with a hard time limit (``conftest.run_job``: under whichever MPI
+this Python has); on that limit every process of the job is killed and the
+test fails. The jobs are launched the documented way::
 
     mpiexec -n 4 python -m mpi4py train.py
 
@@ -25,155 +26,17 @@ rank (the same decision on every rank).
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
-import uuid
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-from conftest import WORLD
+from conftest import Job, run_job
 
-ROOT = Path(__file__).resolve().parents[1]
-JOBS = Path(__file__).resolve().parent / "jobs"
 RANKS = 4
-#: Hard limit on one job: past it, the job's processes are killed and the test fails.
-JOB_LIMIT = 60.0
 #: A job with a fault must be over well within this (a healthy one takes ~1 s here).
 PROMPT = 20.0
 
-
-def _find_mpiexec() -> str | None:
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    return shutil.which("mpiexec")
-
-
-MPIEXEC = _find_mpiexec()
-
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec next to the Python executable or on PATH"),
-    pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own MPI jobs: run from a single process"),
-]
-
-
-@dataclass
-class Job:
-    """What a finished job left behind."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-    def lines(self, pattern: str) -> list[re.Match]:
-        """The stdout lines that match ``pattern`` in full."""
-        return [m for m in map(re.compile(pattern).fullmatch, self.stdout.splitlines()) if m]
-
-    def __str__(self) -> str:
-        return (f"exit status {self.returncode} after {self.seconds:.1f} s\n"
-                f"--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr}")
-
-
-def run_job(script: str, *args: str, runner: bool = True, limit: float = JOB_LIMIT,
-            env: dict[str, str] | None = None) -> Job:
-    """Run ``mpiexec -n 4 python [-m mpi4py] tests/jobs/<script> <args>`` to its end.
-
-    Fails the test, after killing every process of the job, when it runs past
-    ``limit`` seconds, and also when any rank outlives ``mpiexec``. ``env``
-    adds environment variables to the job's (which has no ``MPI_GRADREDUCER_*``
-    variables of the caller, and no ``PYTHONUNBUFFERED``).
-    """
-    tag = uuid.uuid4().hex
-    cmd = [MPIEXEC, "-n", str(RANKS), sys.executable, *(["-m", "mpi4py"] if runner else []),
-           str(JOBS / script), *args, f"--tag={tag}"]
-    extra = env or {}
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "OMPI_", "MPI_GRADREDUCER_", "MPI4PY_"))
-           and k != "PYTHONUNBUFFERED"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env.update(extra)
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        _kill(proc, tag)
-        try:
-            stdout, stderr = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            stdout, stderr = "(not collected)", "(not collected)"
-        pytest.fail(f"the job did not end within {limit:g} s and was killed: {' '.join(cmd)}\n"
-                    f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
-    job = Job(proc.returncode, stdout, stderr, time.monotonic() - start)
-    deadline = time.monotonic() + 5
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    left = _tagged(tag)
-    if left:
-        _kill(proc, tag)
-        pytest.fail(f"processes {left} of the job outlived mpiexec\n{job}")
-    return job
-
-
-def _tagged(tag: str) -> list[int]:
-    """Live processes whose command line holds ``tag`` (Linux; elsewhere none are found)."""
-    pids = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if tag.encode() in (entry / "cmdline").read_bytes():
-                pids.append(int(entry.name))
-        except OSError:
-            continue
-    return pids
-
-
-def _descendants(root: int) -> list[int]:
-    """Processes below ``root`` in the process tree (Linux; elsewhere none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
-def _kill(proc: subprocess.Popen, tag: str) -> None:
-    """SIGKILL the job: mpiexec's process group, and the ranks and proxies, which
-    the launcher puts in sessions of their own."""
-    for pid in set(_descendants(proc.pid) + _tagged(tag)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    deadline = time.monotonic() + 5
-    while _tagged(tag) and time.monotonic() < deadline:
-        time.sleep(0.1)
+pytestmark = [pytest.mark.slow]
 
 
 def _assert_prompt(job: Job) -> None:

@@ -12,6 +12,11 @@ are tested here too: each says what is wrong and leaves nothing behind.
 These tests need root and network namespaces; where ``cluster.py check``
 says they are not available, they are skipped. Like ``test_faults.py``,
 they run from a single process (skipped under ``mpiexec`` with more ranks).
+They run under the MPI of the Python that runs them (``cluster.py`` starts
+the ``mpiexec`` beside it). Where the launchers differ, each is held to its
+own words: Hydra (MPICH, Intel MPI) ends the job once the ranks it reaches
+have aborted; Open MPI's PRRTE loses the cut-off host first
+(``cluster.HOST_TIMEOUT``) and ends the job itself.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cluster_unavailable
+from conftest import cluster_unavailable, job_launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "cluster.py"
@@ -43,6 +48,9 @@ GRACE = 3.0 + 4.0
 
 
 UNAVAILABLE = cluster_unavailable()
+#: Whose mpiexec the jobs run under (None: no mpiexec; the tests that launch jobs then fail to start them).
+LAUNCHER = job_launcher() if UNAVAILABLE is None else None
+PRRTE = LAUNCHER is not None and LAUNCHER.kind == "prrte"
 pytestmark = [pytest.mark.slow, pytest.mark.hosts, pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))]
 
 _names = count()
@@ -175,16 +183,24 @@ def test_link_cut_for_good_every_reporting_rank_names_the_lost_ranks(cluster: Cl
     cut = time.monotonic()
     status = cluster.finish()
     took = time.monotonic() - cut
-    assert status != 0, cluster.report()
     assert took < TIMEOUT + GRACE, f"the job ended {took:.1f} s after the cut\n{cluster.report()}"
+    assert not cluster.finished(), cluster.report()
+    if not PRRTE:  # Open MPI's daemon on the cut-off host outlives the job (until TCP gives up): the harness kills it
+        assert "still ran" not in cluster.stderr, f"processes were left on a host\n{cluster.report()}"
+    assert not cluster.processes(), cluster.processes()
+    if PRRTE:  # the launcher loses host 2 before the watchdog fires, and ends the job naming it
+        assert re.search(rf"PRTE has lost communication with a remote daemon\.[\s\S]*?Remote daemon: \S+ on node "
+                         rf"{cluster.name}-h2\n", cluster.stderr), cluster.report()
+        if status == 0:
+            pytest.xfail("Open MPI 5.0.11's mpiexec (PRRTE 3) exits 0 after ending a job for a lost host")
+    assert status != 0, cluster.report()
+    if PRRTE:
+        return
     named = re.findall(rf"mpi_gradreducer: rank (\d): call \d+, bucket \d+ \(\d+ bytes\) has not completed after "
                        rf"[\d.]+ s \(timeout={TIMEOUT:g} s\); missing ranks: 2, 3 \[rank 2: no answer[^\]]*; "
                        rf"rank 3: no answer[^\]]*\]\. Aborting the job\.", cluster.stderr)
     assert sorted(named) == ["0", "1"], f"ranks 0 and 1 (on the host that can still report) must name 2 and 3\n" \
         f"{cluster.report()}"
-    assert not cluster.finished(), cluster.report()
-    assert "still ran" not in cluster.stderr, f"processes were left on a host\n{cluster.report()}"
-    assert not cluster.processes(), cluster.processes()
 
 
 def test_link_outage_shorter_than_the_timeout_is_survived(cluster: Cluster):
@@ -219,8 +235,14 @@ def test_every_rank_of_one_host_killed_the_job_ends_naming_the_host(cluster: Clu
     address = cluster_cli(cluster.name, "exec", "2", "--", "ip", "-o", "-4", "addr", "show", "dev", "eth0").stdout
     host2 = re.search(r"inet ([\d.]+)/", address)[1]  # type: ignore[index]
     output = "\n".join(cluster.lines) + "\n" + cluster.stderr
-    assert re.search(rf"BAD TERMINATION .*\n.*PID ({'|'.join(map(str, pids))}) RUNNING AT {re.escape(host2)}\n"
-                     rf".*EXIT CODE: 9", output), cluster.report()
+    if PRRTE:  # the first report ends the job: PRRTE's of a killed rank (naming its host), or a survivor's
+        # error on its socket to that rank, which names no host
+        assert re.search(rf"process rank [23] with PID ({'|'.join(map(str, pids))}) on node {cluster.name}-h2 "
+                         rf"exited on\s+signal 9", output) or "An error occurred in Socket closed" in output, \
+            cluster.report()
+    else:
+        assert re.search(rf"BAD TERMINATION .*\n.*PID ({'|'.join(map(str, pids))}) RUNNING AT {re.escape(host2)}\n"
+                         rf".*EXIT CODE: 9", output), cluster.report()
     assert not cluster.finished(), cluster.report()
     assert "still ran" not in cluster.stderr, cluster.report()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 
 import numpy as np
@@ -45,6 +46,13 @@ def test_collect_counts_ranks_hosts_and_nodes(which: str) -> None:
         assert facts["mpi_standard"] == "{}.{}".format(*MPI.Get_version())
         assert facts["thread_level"].startswith("MPI_THREAD_")
         assert facts["cuda_aware"] in (True, False, None) and facts["cuda_aware_source"]
+        # ULFM: Open MPI 5 has it, MPICH 5 and Intel MPI do not; enabled only under mpiexec --with-ft ulfm
+        assert facts["ulfm"] == (MPI.get_vendor()[0] == "Open MPI"), facts["mpi_vendor"]
+        assert facts["ulfm_enabled"] == (None if not facts["ulfm"] else
+                                         os.environ.get("OMPI_MCA_mpi_ft_enable") in ("1", "true"))
+        # the suite runs each MPI from its own venv: the mpiexec beside this Python is of this library
+        assert facts["launcher_matches"] is True, (facts["launcher"], facts["mpi_vendor"])
+        assert facts["launcher"].startswith(MPI.get_vendor()[0]), facts["launcher"]
         json.dumps(facts)  # plain values only
     finally:
         if which == "split":
@@ -56,7 +64,7 @@ def test_main_prints_one_screen_on_rank_0_only() -> None:
     assert info.main([], out=out) == 0
     text = out.getvalue()
     if WORLD.Get_rank() == 0:
-        for label in ("mpi_gradreducer", "MPI library", "MPI standard", "thread level",
+        for label in ("mpi_gradreducer", "MPI library", "MPI standard", "thread level", "ULFM", "launcher",
                       "CUDA-aware MPI", "cupy", "ranks per node"):
             assert label in text
         assert re.search(rf"^ranks\s+{WORLD.Get_size()}$", text, re.MULTILINE)

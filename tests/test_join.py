@@ -10,19 +10,13 @@ every rank makes the same skip decisions.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import WORLD, assert_same_on_all_ranks
+from conftest import WORLD, assert_same_on_all_ranks, run_job
 from mpi_gradreducer import DistributedGradReducer, RowSparse
 
 # A fused first bucket (the header's carrier), a parameter reduced in place, a float16 one.
@@ -234,35 +228,13 @@ def test_bad_input_on_a_contributing_rank_raises_everywhere_while_others_join():
 
 # -- the watchdog: whole jobs, launched from a single process -------------------------------
 
-JOB = Path(__file__).resolve().parent / "jobs" / "join_stall.py"
-MPIEXEC = next((str(p) for p in [Path(sys.executable).parent / "mpiexec"] if p.is_file()), shutil.which("mpiexec"))
-#: Hard limit on one job; past it every process of the job is killed and the test fails.
-JOB_LIMIT = 60.0
-
-needs_jobs = pytest.mark.skipif(MPIEXEC is None or WORLD.Get_size() > 1,
-                                reason="launches its own MPI jobs with mpiexec: run from a single process")
-
-
 def _job(*args: str) -> tuple[int, str, str]:
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_GRADREDUCER_", "MPI4PY_"))
-           and k != "PYTHONUNBUFFERED"}
-    env["PYTHONPATH"] = str(root)
-    proc = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, "-m", "mpi4py", str(JOB), *args],
-                            cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=JOB_LIMIT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"the job did not end within {JOB_LIMIT:g} s and was killed\n{out}\n{err}")
-    return proc.returncode, out, err
+    """``tests/jobs/join_stall.py`` on 3 ranks (``conftest.run_job``: a hard limit, nothing left behind)."""
+    job = run_job("join_stall.py", *args, ranks=3)
+    return job.returncode, job.stdout, job.stderr
 
 
 @pytest.mark.slow
-@needs_jobs
 def test_a_joined_rank_waiting_for_slow_ranks_is_no_stall():
     # Each call comes 2 s after the last: longer than the timeout (1.5 s) that the joined rank would apply.
     code, out, err = _job("--pace", "2", "--steps", "3")
@@ -273,7 +245,6 @@ def test_a_joined_rank_waiting_for_slow_ranks_is_no_stall():
 
 
 @pytest.mark.slow
-@needs_jobs
 def test_a_stall_while_a_rank_has_joined_is_still_found():
     t0 = time.monotonic()
     code, out, err = _job("--stall-rank", "1", "--stall-at", "2", "--sleep", "120", "--timeout", "4",

@@ -1,7 +1,7 @@
 """Whole MPI jobs about a process's life: a fast first reducer, and memory that stays flat over many calls.
 
 Each test launches ``mpiexec -n 4`` on a script (``tests/jobs/`` or
-``scripts/``) as a subprocess with a hard time limit (see ``test_faults``).
+``scripts/``) as a subprocess with a hard time limit (``conftest.run_job``).
 These tests run in the single-process session (``python -m pytest
 --with-mpi``) and are skipped under ``mpiexec`` with more than one rank.
 """
@@ -10,14 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import WORLD
-from test_faults import MPIEXEC, run_job
+from conftest import run_job
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec next to the Python executable or on PATH"),
-    pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own MPI jobs: run from a single process"),
-]
+# run_job skips where there is no mpiexec, or where pytest runs on several ranks
+pytestmark = [pytest.mark.slow]
 
 #: The first reducer of a process is built in about 10 ms on an idle machine (150 ms is the target);
 #: this bound leaves room for a loaded one and still fails on an optional import (seconds at 4 ranks).

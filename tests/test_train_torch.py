@@ -10,11 +10,10 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
-import subprocess
-import sys
 
 import pytest
+
+from conftest import run_job
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SCRIPT = os.path.join(ROOT, "scripts", "train_torch.py")
@@ -27,25 +26,11 @@ pytestmark = [
 ]
 
 
-def _mpiexec() -> str:
-    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if found is None:
-        pytest.skip("needs mpiexec")
-    return found
-
-
 def _run(*args: str) -> dict[str, str]:
     """Run the script on 4 ranks; returns the last value of every ``key=value`` in its output."""
-    env = dict(os.environ)
-    env.pop("PYTHONUNBUFFERED", None)  # the script must flush its own lines
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(
-        [_mpiexec(), "-n", "4", sys.executable, "-m", "mpi4py", SCRIPT, *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return dict(re.findall(r"(\w+)=(\S+)", proc.stdout))
+    job = run_job(SCRIPT, *args, limit=TIMEOUT)  # without PYTHONUNBUFFERED: the script flushes its own lines
+    assert job.returncode == 0, str(job)
+    return dict(re.findall(r"(\w+)=(\S+)", job.stdout))
 
 
 def test_torch_training_matches_ddp():

@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from conftest import run_job
+
 pytestmark = pytest.mark.mpi
 
 WORLD = MPI.COMM_WORLD
@@ -200,30 +202,13 @@ def test_sharded_optimizer_and_uneven_shares_equal_their_references() -> None:
     assert contributors == [sum(n > c for n in counts) for c in range(max(counts))]
 
 
-@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own 4-rank job: run from a single process")
-@pytest.mark.skipif(shutil.which("mpiexec", path=os.path.dirname(sys.executable)) is None
-                    and shutil.which("mpiexec") is None, reason="no mpiexec")
 @needs_sklearn
 def test_command_line_shard_and_uneven_under_mpiexec() -> None:
     import re
-    import subprocess
 
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_GRADREDUCER_", "MPI4PY_"))
-           and k != "PYTHONUNBUFFERED"}
-    env["PYTHONPATH"] = root
-    proc = subprocess.Popen([mpiexec, "-n", "4", sys.executable, "-m", "mpi4py", CHECK_SCRIPT, "--shard", "--uneven",
-                             "--steps", "8"], cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, err = proc.communicate()
-        pytest.fail(f"the job did not end within 120 s and was killed\n{out}\n{err}")
-    assert proc.returncode == 0, out + err
+    job = run_job(CHECK_SCRIPT, "--shard", "--uneven", "--steps", "8", limit=120)  # 4 ranks, from one process
+    out = job.stdout
+    assert job.returncode == 0, str(job)
     shard = re.search(r"^shard: optimizer state per rank (\d+) bytes \(max over ranks\) vs (\d+) unsharded = "
                       r"1/([\d.]+) \(4 ranks\); max \|difference\| sharded vs unsharded = (\S+) \(ok", out, re.M)
     assert shard, out

@@ -24,7 +24,8 @@ from .._core import backend, transport
 __all__ = ["PREFIXES", "constants", "environment", "huge_pages", "loadavg"]
 
 #: Environment variables recorded in a results file: those that start with one of these.
-PREFIXES = ("MPIR_CVAR_", "MPICH_", "MPI_GRADREDUCER_", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+PREFIXES = ("MPIR_CVAR_", "MPICH_", "OMPI_MCA_", "I_MPI_", "UCX_", "FI_", "MPI_GRADREDUCER_", "OMP_NUM_THREADS",
+            "OPENBLAS_NUM_THREADS")
 
 
 def constants() -> dict[str, int]:

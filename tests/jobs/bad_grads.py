@@ -51,7 +51,6 @@ def spoil(kind: str, grads: list[np.ndarray]) -> list[np.ndarray]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tag", default="", help="ignored: marks this job's processes for the test")
     parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

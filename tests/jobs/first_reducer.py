@@ -26,7 +26,6 @@ SHAPES = [(300, 300), (300,), (300, 10), (10,), (7, 3)]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tag", default="", help="ignored: marks the job's processes")
     parser.parse_args()
     comm = MPI.COMM_WORLD
     params = [np.zeros(s, np.float32) for s in SHAPES]

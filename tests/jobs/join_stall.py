@@ -31,7 +31,6 @@ def main() -> None:
     parser.add_argument("--stall-rank", type=int, default=-1)
     parser.add_argument("--stall-at", type=int, default=2)
     parser.add_argument("--sleep", type=float, default=60.0)
-    parser.add_argument("--tag", default="", help="ignored: marks this job's processes for the test")
     args = parser.parse_args()
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -69,7 +69,6 @@ def main() -> None:
     parser.add_argument("--inputs", type=int, default=16, help="the model's inputs (its weights: inputs x 8)")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds each rank sleeps before each step")
     parser.add_argument("--progress", action="store_true", help="each rank prints a line after each step")
-    parser.add_argument("--tag", default="", help="ignored: marks this job's processes for the test")
     args = parser.parse_args()
 
     if args.torch:
