@@ -8,11 +8,15 @@ instead the failing rank prints its report to stderr and aborts the job.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +24,49 @@ import pytest
 from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
+
+#: Seconds a collective test (marked ``mpi``) may take, setup and teardown included, before the job is ended
+#: with its name: ten times the slowest (7 s at 4 ranks on 2 cores, 11 s at 2 hosts x 2 ranks over TCP).
+COLLECTIVE_LIMIT = 120.0
+#: The same for every other test: those that launch whole jobs hold each job to a shorter limit of their own.
+TEST_LIMIT = 600.0
+#: After the limit, the grace for a test whose thread holds the interpreter (no Python runs to report it):
+#: then only the stacks are printed, and the process exits.
+_BACKSTOP = 30.0
+
+
+def _limit(item: pytest.Item) -> float:
+    """The test's time limit: ``@pytest.mark.limit(seconds)``, else by kind."""
+    marker = item.get_closest_marker("limit")
+    if marker is not None:
+        return float(marker.args[0])
+    return COLLECTIVE_LIMIT if item.get_closest_marker("mpi") is not None else TEST_LIMIT
+
+
+def _expire(nodeid: str, seconds: float) -> None:
+    """Test ``nodeid`` ran past its limit: print its name and every thread's stack (one write), end the job."""
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        stacks = f.read().decode(errors="replace")
+    os.write(2, (f"\n=== rank {WORLD.Get_rank()} of {WORLD.Get_size()}: {nodeid} ran past its time limit of "
+                 f"{seconds:g} s; aborting the job ===\n{stacks}").encode())
+    WORLD.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Every test runs under a time limit (see ``_limit``): past it, the test is named and the job ended."""
+    seconds = _limit(item)
+    timer = threading.Timer(seconds, _expire, (item.nodeid, seconds))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + _BACKSTOP, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        timer.cancel()
 
 
 @pytest.hookimpl(hookwrapper=True)

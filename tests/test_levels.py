@@ -5,7 +5,8 @@ hosts) the reducer's communicator spans hosts with several ranks on each, and
 the summers of :class:`~mpi_gradreducer._core.hosts.Hosts` have two levels; on one
 host they are flat, in rank order. Either way each test computes, from every
 rank's random float data, the exact bits the order must give, and the
-summers must give them for every chunk size.
+summers must give them for every chunk size. Across hosts, the NICs' counters
+show what crosses the links: 32 bits, or 16 with compression.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import WORLD
+from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.hosts import Hosts
+from nic import LAUNCH_HOSTS, Wire, ring_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -99,9 +101,12 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
 
 
 @pytest.mark.parametrize("n", COUNTS)
-def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: int):
+def test_compressed_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     """With fp16 across hosts: each host's float32 sum, divided by the ranks and rounded to float16, summed
-    across hosts in float32 and rounded again, then scaled back; on one host the plain rank-order sum."""
+    across hosts in float32 and rounded again, then scaled back; on one host the plain rank-order sum.
+
+    These bits would also come from float32 traffic rounded the same way: what crosses the links is
+    counted by the next test."""
     rows = _rows(n, np.float32, 11 + n)
     size, scale = WORLD.Get_size(), 0.25
     groups = _groups(hosts) if hosts.two_levels or not hosts.casts_across else [[r] for r in range(size)]
@@ -118,6 +123,32 @@ def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: i
         for start in range(0, n, step):
             summer(data[start : start + step], scale)
         np.testing.assert_array_equal(data, expected)
+
+
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts: Hosts, compression: str | None):
+    """Counted by the hosts' NICs (:mod:`nic`): float32 chunks cross as 32 bits, each host sending
+    ``2 (hosts - 1) / hosts`` of them; compressed, as 16 bits: half that. In two levels, and with one rank a
+    host."""
+    if not everywhere(LAUNCH_HOSTS > 1):
+        pytest.skip("one host: nothing crosses a link (run under scripts/cluster.py run --hosts 2 or more)")
+    wire = Wire()
+    assert hosts.casts_across and hosts.count == len(wire.hosts)
+    data = np.random.default_rng([13, WORLD.Get_rank()]).standard_normal(4 << 20, dtype=np.float32)  # 16 MiB
+    summer = hosts.ordered_sum(np.float32, compression=get_compression(compression))
+    step = hosts.chunk_bytes // data.itemsize
+
+    def reduce() -> None:
+        for start in range(0, data.shape[0], step):
+            summer(data[start : start + step], 0.25)
+
+    reduce()
+    sent = wire.per_call(reduce)
+    claim = ring_bytes(data.nbytes, hosts.count) * (0.5 if compression else 1.0)
+    ratios = sent / claim
+    assert np.all(np.abs(ratios - 1) <= 0.05), (
+        f"{compression or 'float32'}: each host should send {claim / 1e6:.2f} MB; the hosts sent "
+        f"{', '.join(f'{b / 1e6:.2f} MB' for b in sent)} ({', '.join(f'{r:.3f}' for r in ratios)} x)")
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])
