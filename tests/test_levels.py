@@ -146,6 +146,7 @@ def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts:
     sent = wire.per_call(reduce)
     claim = ring_bytes(data.nbytes, hosts.count) * (0.5 if compression else 1.0)
     ratios = sent / claim
+    print(f"{compression or 'float32'}: {', '.join(f'{r:.4f}' for r in ratios)} x the claim, host by host")
     assert np.all(np.abs(ratios - 1) <= 0.05), (
         f"{compression or 'float32'}: each host should send {claim / 1e6:.2f} MB; the hosts sent "
         f"{', '.join(f'{b / 1e6:.2f} MB' for b in sent)} ({', '.join(f'{r:.3f}' for r in ratios)} x)")

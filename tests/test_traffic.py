@@ -60,6 +60,7 @@ def _sent_per_call(wire: Wire, reducer: DistributedGradReducer, grads: list[np.n
 
 def _within(sent: np.ndarray, claim: float, what: str) -> None:
     ratios = sent / claim
+    print(f"{what}: {', '.join(f'{r:.4f}' for r in ratios)} x the claim, host by host")  # pytest -rP shows it
     assert np.all(ratios <= 1 + SLACK) and np.all(ratios >= 1 - SLACK), (
         f"{what}: each host should send {claim / 1e6:.2f} MB a call; the hosts sent "
         f"{', '.join(f'{b / 1e6:.2f} MB ({r:.3f} x)' for b, r in zip(sent, ratios, strict=True))}")
@@ -97,6 +98,7 @@ def test_powersgd_sends_its_documented_fraction(wire: Wire, data: list[np.ndarra
     with DistributedGradReducer(_zeros(data), compression=PowerSGD(rank=4, start_iter=0)) as reducer:
         sent = _sent_per_call(wire, reducer, [d.copy() for d in data])
     ring = ring_bytes(sum(d.nbytes for d in data), len(wire.hosts))
+    print(f"PowerSGD rank 4: {', '.join(f'1/{ring / b:.2f}' for b in sent)} of the ring's bytes, host by host")
     # 1/67 is the documented figure, rounded (the shapes give 1/66.5): 5 % above it bounds the headers too
     assert np.all(sent <= (1 + SLACK) * POWERSGD_FRACTION * ring), (
         f"PowerSGD rank 4: each host should send at most 1/67 of {ring / 1e6:.1f} MB a call; the hosts sent "
@@ -110,6 +112,7 @@ def test_deterministic_keeps_the_flat_sum_and_its_bytes(wire: Wire, data: list[n
     with DistributedGradReducer(_zeros(data), deterministic=True) as reducer:
         sent = _sent_per_call(wire, reducer, [d.copy() for d in data])
     ring = ring_bytes(sum(d.nbytes for d in data), len(wire.hosts))
+    print(f"deterministic=True: {', '.join(f'{r:.3f}' for r in sent / ring)} x ring, host by host")
     if max(wire.ranks_per_host) == 1:
         _within(sent, ring, "deterministic=True, one rank a host")
     else:
