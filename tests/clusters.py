@@ -131,6 +131,8 @@ class HostCluster:
         #: The job's stdout lines, each with the time it arrived here (``time.monotonic()``).
         self.timed: list[tuple[float, str]] = []
         self.stderr = ""
+        #: What ``cluster.py run`` found still running on a host after ``mpiexec`` ended (and killed), every job.
+        self.reaped: list[str] = []
         self.proc: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
 
@@ -181,6 +183,7 @@ class HostCluster:
             self.proc.wait()
             raise AssertionError(f"the harness did not end the job within its --timeout\n{self.report()}") from None
         self.stderr = self.proc.stderr.read()
+        self.reaped += re.findall(r"^cluster: host \d+ still ran .*$", self.stderr, re.M)
         if self._reader is not None:
             self._reader.join(timeout=10)  # the last lines
         return self.proc.returncode
@@ -222,10 +225,12 @@ class HostCluster:
 
         Returns:
             Processes of the test that outlived their job while the hosts
-            still existed (not when the job had to be killed here: the test
-            failed then), and anything at all left after the cluster went down.
+            still existed: those ``cluster.py run`` found and killed, and
+            those it did not (none of them when the job had to be killed here:
+            the test failed then); and anything at all left after the cluster
+            went down.
         """
-        problems = []
+        problems = [f"processes outlived their job: {line}" for line in self.reaped]
         if self.proc is not None and self.proc.poll() is None:
             kill_tagged(self.tag)
             self.proc.wait()

@@ -10,7 +10,8 @@ seconds of the watchdog's timeout, its surviving ranks naming the ranks they
 lost (or go on with the right weights, after a step that stalled through
 the outage). Every process a test starts is found by a mark in its
 environment (:mod:`clusters`), while the job runs, after it ended, and after
-the cluster is down: none may be left. The harness's own errors (not root, a
+the cluster is down: none may be left, nor found and killed by
+``cluster.py run`` after ``mpiexec`` ended. The harness's own errors (not root, a
 bad host count or rate, a failing command, a counter it cannot read, an
 interruption) are tested here too: each says what is wrong and leaves
 nothing behind.
@@ -145,7 +146,6 @@ def test_link_cut_for_good_between_steps_every_reporting_rank_names_the_lost_ran
     for rank, call in named.items():  # the call named is the one that never completed
         assert max(steps_done(cluster, int(rank))) == int(call) - 1, cluster.report()
     assert not finished(cluster), cluster.report()
-    assert "still ran" not in cluster.stderr, f"processes were left on a host\n{cluster.report()}"
 
 
 def test_link_cut_for_good_inside_a_reduction_every_reporting_rank_names_the_lost_ranks(slow_cluster: HostCluster):
@@ -175,7 +175,6 @@ def test_link_cut_for_good_inside_a_reduction_every_reporting_rank_names_the_los
     assert named == {"0": "2", "1": "2"}, f"ranks 0 and 1 must name 2 and 3, lost in call 2\n{cluster.report()}"
     assert steps_done(cluster, 0) == steps_done(cluster, 1) == [1], cluster.report()
     assert not finished(cluster), cluster.report()
-    assert "still ran" not in cluster.stderr, f"processes were left on a host\n{cluster.report()}"
 
 
 def test_link_outage_shorter_than_the_timeout_is_survived(cluster: HostCluster):
@@ -219,7 +218,6 @@ def test_a_host_that_dies_is_named_by_every_survivor(cluster: HostCluster):
     assert sorted(lost(cluster)) == ["0", "1"], f"ranks 0 and 1 must name ranks 2 and 3 as lost\n" \
         f"{cluster.report()}"
     assert not finished(cluster), cluster.report()
-    assert "still ran" not in cluster.stderr, cluster.report()
 
 
 def test_every_rank_of_one_host_killed_the_launcher_ends_the_job_at_once(cluster: HostCluster):
@@ -237,7 +235,6 @@ def test_every_rank_of_one_host_killed_the_launcher_ends_the_job_at_once(cluster
     assert status != 0 and took < TIMEOUT, f"{took:.1f} s\n{cluster.report()}"
     assert "mpi_gradreducer:" not in cluster.stderr, cluster.report()
     assert not finished(cluster), cluster.report()
-    assert "still ran" not in cluster.stderr, cluster.report()
 
 
 def test_hosts_reach_nothing_but_the_cluster(cluster: HostCluster):
