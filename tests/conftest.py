@@ -29,6 +29,20 @@ from mpi4py import MPI
 
 WORLD = MPI.COMM_WORLD
 
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and WORLD.Get_size() > 1:
+        sys.stderr.write(
+            f"\n=== rank {WORLD.Get_rank()} of {WORLD.Get_size()}: {item.nodeid} failed "
+            f"({report.when}); aborting the job so that no rank hangs ===\n{report.longreprtext}\n"
+        )
+        sys.stderr.flush()
+        WORLD.Abort(1)
+
+
 #: Seconds a collective test (marked ``mpi``) may take, setup and teardown included, before the job is ended
 #: with its name: ten times the slowest (7 s at 4 ranks on 2 cores, 11 s at 2 hosts x 2 ranks over TCP).
 COLLECTIVE_LIMIT = 120.0
