@@ -125,18 +125,20 @@ def test_compressed_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
         np.testing.assert_array_equal(data, expected)
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 64 << 10], ids=["chunks of the hosts' size", "64 KiB chunks"])
 @pytest.mark.parametrize("compression", [None, "fp16"])
-def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts: Hosts, compression: str | None):
+def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts: Hosts, compression: str | None,
+                                                                         chunk_bytes: int | None):
     """Counted by the hosts' NICs (:mod:`nic`): float32 chunks cross as 32 bits, each host sending
-    ``2 (hosts - 1) / hosts`` of them; compressed, as 16 bits: half that. In two levels, and with one rank a
-    host."""
+    ``2 (hosts - 1) / hosts`` of them; compressed, as 16 bits: half that. In two levels and with one rank a
+    host, in the chunks across hosts (1 MiB) and in small ones (a small bucket, or a bucket's last chunk)."""
     if not everywhere(LAUNCH_HOSTS > 1):
         pytest.skip("one host: nothing crosses a link (run under scripts/cluster.py run --hosts 2 or more)")
     wire = Wire()
     assert hosts.casts_across and hosts.count == len(wire.hosts)
     data = np.random.default_rng([13, WORLD.Get_rank()]).standard_normal(4 << 20, dtype=np.float32)  # 16 MiB
-    summer = hosts.ordered_sum(np.float32, compression=get_compression(compression))
-    step = hosts.chunk_bytes // data.itemsize
+    step = (chunk_bytes or hosts.chunk_bytes) // data.itemsize
+    summer = hosts.ordered_sum(np.float32, step * data.itemsize, compression=get_compression(compression))
 
     def reduce() -> None:
         for start in range(0, data.shape[0], step):
@@ -144,12 +146,13 @@ def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts:
 
     reduce()
     sent = wire.per_call(reduce)
-    claim = ring_bytes(data.nbytes, hosts.count) * (0.5 if compression else 1.0)
-    ratios = sent / claim
-    print(f"{compression or 'float32'}: {', '.join(f'{r:.4f}' for r in ratios)} x the claim, host by host")
-    assert np.all(np.abs(ratios - 1) <= 0.05), (
-        f"{compression or 'float32'}: each host should send {claim / 1e6:.2f} MB; the hosts sent "
-        f"{', '.join(f'{b / 1e6:.2f} MB' for b in sent)} ({', '.join(f'{r:.3f}' for r in ratios)} x)")
+    ring = ring_bytes(data.nbytes, hosts.count)  # of the float32 bytes
+    least, most = (0.475, 0.55) if compression else (0.95, 1.05)  # the headers of 2 KiB pieces cost 6 %
+    ratios = sent / ring
+    print(f"{compression or 'float32'}: {', '.join(f'{r:.4f}' for r in ratios)} x ring, host by host")
+    assert np.all((least <= ratios) & (ratios <= most)), (
+        f"{compression or 'float32'}: each host should send {least:g} to {most:g} x {ring / 1e6:.2f} MB; the hosts "
+        f"sent {', '.join(f'{b / 1e6:.2f} MB' for b in sent)} ({', '.join(f'{r:.3f}' for r in ratios)} x)")
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])

@@ -93,9 +93,11 @@ class Hosts:
             wire_bytes = chunk_bytes * 2 // np.dtype(dtype).itemsize  # the largest chunk, in 16 bits
             if self.across is None:  # one rank on each host
                 return wire.CastSum(self.slice_sum(compression, wire_bytes), dtype, f)
-        if self.node is None or self.across is None:
-            return transport.OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait)
-        across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait)
+        if self.node is None or self.across is None:  # small chunks gathered whole on one host only
+            return transport.OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait,
+                                        gathered_bytes=transport.GATHERED_SUM_BYTES if self.count == 1 else 0)
+        across: transport.Summer = transport.OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait,
+                                                        gathered_bytes=0)
         if cast:
             assert compression is not None
             block_bytes = max(2, wire_bytes // self.node.Get_size())  # a block of the host's sum, in 16 bits
