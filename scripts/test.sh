@@ -4,8 +4,9 @@
 # ruff and mypy (configured in pyproject.toml), builds the documentation site
 # with warnings as errors (scripts/docs.sh; the docs extra is installed here), then
 # runs the collective tests under mpiexec with 4 and 3 ranks, then across hosts
-# (2 hosts x 2 ranks, network namespaces made by scripts/cluster.py, MPI over
-# TCP; with a link cut, an outage and a host's ranks killed), then everything
+# (2 hosts x 2 ranks and 4 hosts x 1 rank, network namespaces made by
+# scripts/cluster.py, MPI over TCP, the bytes on the wire read from the NICs;
+# with a link cut, an outage, a host lost), then everything
 # else in one process (unit tests, size-1 runs, the tests that launch whole MPI
 # jobs, and the documentation's examples). The stage across hosts needs root and
 # network namespaces: elsewhere it says why and is skipped.
@@ -31,7 +32,11 @@ if why=$(python scripts/cluster.py check 2>&1); then
   python scripts/cluster.py --name mgrci down
   timeout --kill-after=10 900 python scripts/cluster.py --name mgrci run --hosts 2 --ppn 2 --timeout 850 -- \
     "${pytest[@]}" --only-mpi
-  echo "== across hosts: a link cut, an outage, a host's ranks killed; the harness's errors"
+  echo "== across hosts: 4 hosts x 1 rank (unshaped links)"
+  python scripts/cluster.py --name mgrci4 down
+  timeout --kill-after=10 900 python scripts/cluster.py --name mgrci4 run --hosts 4 --ppn 1 --timeout 850 -- \
+    "${pytest[@]}" --only-mpi
+  echo "== across hosts: a link cut, an outage, a host lost; the harness's errors"
   timeout --kill-after=10 600 python -m pytest -q -p no:cacheprovider tests/test_hosts.py --with-mpi
 else
   echo "skipped: $why"
