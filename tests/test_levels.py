@@ -19,6 +19,7 @@ from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.hosts import Hosts
+from mpi_gradreducer._core.topology import Topology
 from nic import LAUNCH_HOSTS, Wire, ring_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -29,7 +30,7 @@ COUNTS = (3, 1000, 40_003, 300_000)
 
 @pytest.fixture
 def hosts():
-    made = Hosts(WORLD)
+    made = Hosts(WORLD, Topology.of(WORLD))
     yield made
     made.free()
 
@@ -185,7 +186,7 @@ def test_reducer_means_are_the_same_bits_however_called(views: bool, compression
 def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: str):
     """Decided from the processor names of the communicator's ranks: the same answer on every rank."""
     from mpi_gradreducer import create_group
-    from mpi_gradreducer._core.groups import processor_names
+    from mpi_gradreducer._core.topology import processor_names
 
     size = WORLD.Get_size()
     ranks = {"all": range(size), "first three": range(min(3, size)), "even ranks": range(0, size, 2)}[members]
@@ -196,7 +197,7 @@ def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: 
         names = processor_names(comm)
         per_host = {n: names.count(n) for n in names}
         expected = len(set(per_host.values())) == 1 and 1 < names.count(names[0]) < comm.Get_size()
-        hosts = Hosts(comm)
+        hosts = Hosts(comm, Topology.of(comm))
         assert (hosts.two_levels, hosts.count) == (expected, len(per_host))
         assert hosts.ranks_per_host == (names.count(names[0]) if len(set(per_host.values())) == 1 else None)
         hosts.free()

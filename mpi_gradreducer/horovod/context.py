@@ -3,7 +3,7 @@
 Everything Horovod keeps in its C++ core's global state lives here in one
 :class:`Context`, made by :func:`init` and dropped by :func:`shutdown`; the
 module keeps nothing else. Local ranks are the ranks that share a host
-(``Split_type(COMM_TYPE_SHARED)``), cross ranks the ranks with the same
+(the package's :class:`~mpi_gradreducer._core.topology.Topology`), cross ranks the ranks with the same
 local rank on every host, as in Horovod.
 """
 
@@ -17,6 +17,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .._core import groups
+from .._core.topology import Topology
 
 __all__ = ["Context", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
@@ -109,9 +110,7 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
     else:
         raise TypeError(f"comm: expected None, an mpi4py intracommunicator or a list of ranks, got "
                         f"{type(comm).__name__} {comm!r}")
-    local = base.Split_type(MPI.COMM_TYPE_SHARED, key=base.Get_rank())
-    cross = base.Split(local.Get_rank(), key=base.Get_rank())
-    assert isinstance(local, MPI.Intracomm) and isinstance(cross, MPI.Intracomm)  # mpi4py's stubs say Comm
+    local, cross = Topology.of(base).split(base)
     _Session.context = Context(base, local, cross)
 
 

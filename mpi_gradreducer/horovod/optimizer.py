@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .. import torch as mgr_torch
+from .._core.options import Options
 from .collectives import raise_everywhere
 from .context import current
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
@@ -56,10 +57,11 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         sparse_as_dense: sparse gradients are made dense before the reduction
             (and stay dense); without it a sparse gradient is refused.
         process_set: only ``global_process_set``.
-        **reducer_options: not Horovod's: any option of
-            :class:`mpi_gradreducer.torch.DistributedOptimizer` that the
-            arguments above do not set (``progress``, ``bucket_bytes``,
-            ``timeout``, ``timeline``, ...).
+        options: not Horovod's: the reducer's :class:`~mpi_gradreducer.Options`,
+            except what the arguments above set.
+        **reducer_options: not Horovod's: any field of
+            :class:`~mpi_gradreducer.Options` that the arguments above do not
+            set (``progress``, ``bucket_bytes``, ``timeout``, ``timeline``, ...).
 
     Raises:
         ValueError, TypeError, NotImplementedError: on every rank, for a bad
@@ -70,32 +72,33 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: Any = global_process_set, **reducer_options: Any) -> None:
+                 sparse_as_dense: bool = False, process_set: Any = global_process_set, *,
+                 options: Options | None = None, **reducer_options: Any) -> None:
         comm = current("hvd.DistributedOptimizer(...)").comm
         error: BaseException | None = None
-        options: dict[str, Any] = {}
+        asked = Options()
         names: list[str] = []
         try:
             if num_groups != 0:
                 warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning, stacklevel=2)
                 if groups is None:
                     groups = num_groups
-            options, names = _options(optimizer, named_parameters, compression, op, gradient_predivide_factor,
-                                      groups, process_set)
+            horovods, names = _options(optimizer, named_parameters, compression, op, gradient_predivide_factor,
+                                       groups, process_set)
             taken = sorted(set(reducer_options) & {"mean", "compression", "predivide", "fusion", "fusion_type",
                                                    "split_indices", "group"})
             if taken:
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
                                 "gradient_predivide_factor, groups); not accepted as reducer options")
-            options.update(reducer_options)
+            asked = (Options() if options is None else options).replace(**reducer_options, **horovods)
         except Exception as exc:  # raised on every rank, never on one alone
             error = exc
         raise_everywhere(comm, error)
         self._densify_hooks = [p.register_post_accumulate_grad_hook(_densify) for p in _params(optimizer)] \
             if sparse_as_dense else []  # registered first: they run before the reduction's hooks
-        super().__init__(optimizer, backward_passes_per_step=backward_passes_per_step, group=comm, **options)
+        super().__init__(optimizer, backward_passes_per_step=backward_passes_per_step, group=comm, options=asked)
         self._names = names
-        self.op = ReduceOp.Average if options["mean"] else ReduceOp.Sum
+        self.op = ReduceOp.Average if asked.mean else ReduceOp.Sum
 
     @property
     def backward_passes_per_step(self) -> int:
