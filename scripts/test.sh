@@ -29,12 +29,13 @@ for n in 4 3; do
 done
 echo "== across hosts: 2 hosts x 2 ranks (network namespaces, MPI over TCP)"
 if why=$(python scripts/cluster.py check 2>&1); then
-  python scripts/cluster.py --name mgrci down
-  timeout --kill-after=10 900 python scripts/cluster.py --name mgrci run --hosts 2 --ppn 2 --timeout 850 -- \
+  name=${TEST_CLUSTER_NAME:-mgrci}  # the clusters' prefix (cluster.py --name): another on a shared machine
+  python scripts/cluster.py --name "$name" down
+  timeout --kill-after=10 900 python scripts/cluster.py --name "$name" run --hosts 2 --ppn 2 --timeout 850 -- \
     "${pytest[@]}" --only-mpi
   echo "== across hosts: 4 hosts x 1 rank (unshaped links)"
-  python scripts/cluster.py --name mgrci4 down
-  timeout --kill-after=10 900 python scripts/cluster.py --name mgrci4 run --hosts 4 --ppn 1 --timeout 850 -- \
+  python scripts/cluster.py --name "${name}4" down
+  timeout --kill-after=10 900 python scripts/cluster.py --name "${name}4" run --hosts 4 --ppn 1 --timeout 850 -- \
     "${pytest[@]}" --only-mpi
   echo "== across hosts: a link cut, an outage, a host lost; the harness's errors"
   timeout --kill-after=10 600 python -m pytest -q -p no:cacheprovider tests/test_hosts.py --with-mpi
