@@ -16,7 +16,7 @@ import pytest
 
 from conftest import WORLD
 from mpi_gradreducer import Options, RowSparse
-from mpi_gradreducer._core import control, options as options_module, paths
+from mpi_gradreducer._core import control, options as options_module, paths, transport
 from mpi_gradreducer._core.call import open_call, settle as settle_call
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.fusion import plan_for
@@ -282,10 +282,12 @@ def test_host_path_joins_consecutive_own_view_buckets_into_one_run():
         paths.run(assigned, range(3), call)
         for v in views:
             np.testing.assert_allclose(v, (size + 1) / 2)
-        # The header with bucket 0 (all of it fits in the head), then buckets 1 and 2 as one run: one ordered
-        # sum of their 256 elements (one collective where it is gathered whole, on one host; two across hosts)
-        one_sum = ctx.summer(np.dtype(np.float64))(np.zeros(256), 1.0)
-        assert ctx.instrument.stats.messages == 1 + one_sum
+        # The header with bucket 0 (all of it fits in the head), then buckets 1 and 2 as one run: the
+        # collectives of one sum of their 256 elements (one on one host, where a small chunk is gathered
+        # whole; two across hosts, where it is not)
+        one_run = transport.allreduce(WORLD, np.zeros(256), 1.0, ctx.hosts.chunk_bytes,
+                                      ordered=ctx.summer(np.dtype(np.float64)), every_chunk=True)
+        assert ctx.instrument.stats.messages == 1 + one_run
         assert call.info.runs
         ordinary = [np.full(64, r + 1.0) for _ in range(6)]
         before = ctx.instrument.stats.messages
