@@ -10,7 +10,16 @@ Example::
     reducer(grads)  # averaged across ranks, in place
 """
 
+import os as _os
+
+if _os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip() in ("1", "true") and \
+        "mpi4py.MPI" not in __import__("sys").modules:
+    # Open MPI with ULFM (elastic mode): MPI_Finalize's closing fence was seen to hang for good after a rank was
+    # lost (3 survivors of 4, every communicator freed); without the fence every process exits at once.
+    _os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
+
 from ._core.groups import broadcast_parameters, create_group, local_rank, select_device
+from ._core.hooks import GradBucket
 from ._core.options import Options
 from ._core.planning import Bucket
 from ._core.powersgd import PowerSGD
@@ -26,6 +35,7 @@ __version__ = "0.6.0"
 __all__ = [
     "Bucket",
     "DistributedGradReducer",
+    "GradBucket",
     "Options",
     "Piece",
     "PowerSGD",

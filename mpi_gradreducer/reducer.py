@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from functools import partial
 from typing import Any
 
 from mpi4py import MPI
 
-from ._core import control, paths, shard
-from ._core.call import Call, close, open_call, settle
-from ._core.compression import get_compression
+from ._core import paths, shard
+from ._core.call import Call, close, open_call
+from ._core.context import Context
 from ._core.fusion import distinct_caps, plan_for
-from ._core.hosts import Hosts
+from ._core.hooks import bucket_hook
 from ._core.instrument import Instrument, ReducerStats
 from ._core.lowrank import LowRankPath
 from ._core.options import Options, agree as resolve_options, decide_progress
@@ -21,6 +20,7 @@ from ._core.planning import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from ._core.polling import Polling
 from ._core.replay import Replay
 from ._core.steps import Overlap, ReductionStep
+from ._core.summers import Summers
 from ._core.topology import Topology
 from ._core.tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from ._core.validation import Checked, check_grads
@@ -101,21 +101,21 @@ class DistributedGradReducer:
         self.check_finite, self.cuda_aware, self.coalesce = options.check_finite, options.cuda_aware, options.coalesce
         self._instrument = Instrument(self._comm, options)
         self.stats = self._instrument.stats
-        self._compression = get_compression(options.wire_format)
         #: How the communication thread waits for its collectives (None: no thread, blocking calls).
         self._polling = Polling() if self.progress == "thread" else None
-        #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
-        self._hosts = Hosts(self._comm, self._topology, two_levels=not options.deterministic,
-                            wait=None if self._polling is None else self._polling.wait)
+        #: The sums across ranks: in two levels across hosts (not with ``deterministic``).
+        self._summers = Summers(self._comm, self._topology, two_levels=not options.deterministic,
+                                wait=None if self._polling is None else self._polling.wait)
+        #: What sums each bucket instead of the reducer: the user's, or compression's (None: the reducer).
+        self._hook = bucket_hook(options)
         self._tuner: BucketTuner | None = None
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
-        self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument, self._hosts) \
+        self._lowrank = LowRankPath(self._comm, self._specs, options, self._instrument, self._summers) \
             if options.powersgd is not None else None
         self._local = MPI.COMM_SELF.Dup()  # local copies: the buckets' (transport.Gather), the replay's
         self._replay = Replay(self._local)
         if options.cap is None:
-            self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES,
-                                                    compressed=not self._hosts.casts_across))
+            self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
             self._build_plan(self._tuner.current())
         else:
             self._build_plan(options.cap)
@@ -134,12 +134,11 @@ class DistributedGradReducer:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
         self._bucket_bytes = bucket_bytes
         self._replay.forget()
-        # across hosts, compressed gradients are summed as they are on each host and cast for the links only
-        self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local,
-                              compressed=not self._hosts.casts_across)
-        self._ctx = paths.Context(self._comm, self._plan, self.options, self._instrument, self._compression,
-                                  self._hosts)
+        self._plan = plan_for(self._specs, self.options, bucket_bytes, self._local)
+        self._ctx = Context(self._comm, self._plan, self.options, self._instrument, self._summers, self._hook)
         self._paths = paths.assign(self._ctx)
+        #: The buckets in plan order, as runs of one path each.
+        self._runs = paths.runs(self._paths, range(len(self._paths)))
         self._sparse = paths.SparsePath(self._ctx)
         #: What runs after the buckets: the RowSparse gradients, then PowerSGD's.
         self._tail: Any = self._sparse if self._lowrank is None else _Tail(self._sparse, self._lowrank)
@@ -189,7 +188,7 @@ class DistributedGradReducer:
                 error that leaves the other ranks waiting: the watchdog ends them).
         """
         call = self._start(grads)
-        self._reduce(call)
+        self._run(call, tune=True)
         return call.caller
 
     def begin(self, grads: Sequence[Any]) -> ReductionStep:
@@ -235,7 +234,8 @@ class DistributedGradReducer:
         rank in ``join()``, for a plain call on another rank, or with ``compression=PowerSGD(...)``.
         """
         call = self._start(grads, sharded=True)
-        self._sharder = shard.Sharder.of(self._sharder, self._comm, self._plan, self._instrument)
+        self._sharder = shard.Sharder.of(self._sharder, self._comm, self._plan, self._instrument,
+                                         self._summers)
         result = self._sharder.reduce_scatter(call)
         self._finish(call)
         return result
@@ -278,14 +278,32 @@ class DistributedGradReducer:
         """Write the timeline, release the communicators and threads (collective). Idempotent."""
         self._overlap.close()
         self._instrument.close()
-        if self._compression is not None:
-            self._compression.free()
         if self._comm != MPI.COMM_NULL:
             self._plan.free()
             self._replay.forget()
             self._local.Free()
-            self._hosts.free()
+            self._summers.free()
             self._comm.Free()
+
+    def _abandon(self) -> None:
+        """Release everything with no collective and no timeline: some of the ranks are gone (elastic mode).
+
+        For :mod:`mpi_gradreducer.elastic`, after it has revoked the
+        reducer's communicators: the communication thread ends at once (its
+        operations fail), the watchdog stops, and the communicators are freed
+        locally (Open MPI with ULFM frees a revoked communicator without its
+        peers).
+        """
+        self._overlap.close()
+        self._instrument.close(write=False)
+        if self._comm != MPI.COMM_NULL:
+            self._plan.free()
+            self._replay.forget()
+            for release in (self._local.Free, self._summers.free, self._comm.Free):
+                try:
+                    release()
+                except MPI.Exception:
+                    pass
 
     def __enter__(self) -> DistributedGradReducer:
         return self
@@ -310,7 +328,7 @@ class DistributedGradReducer:
             asynchronous = call.info is not None and call.info.asynchronous
             if asynchronous and self._overlap.agree_on_readiness(()).any():  # as the others do in wait()
                 call.gather_sparse = False  # some rank was not ready: the others gather no RowSparse either
-            self._reduce(call, tune=not asynchronous)
+            self._run(call, tune=not asynchronous)
 
     # -- one call ---------------------------------------------------------------------
 
@@ -343,26 +361,10 @@ class DistributedGradReducer:
         call = open_call(self._calls, grads, self._plan, checked, check_finite=self.check_finite,
                          asynchronous=asynchronous, sharded=sharded)
         call.epoch = epoch
-        call.settle = partial(self._settle, call)
-        if self._ctx.carrier is None:  # the header travels alone
-            call.settle(self._instrument.collective(lambda: "the call header", call.number,
-                                                    control.exchange, self._comm, call.local))
-            call.head = "ahead"
-        elif grads is None or asynchronous or sharded or call.local.error is not None:
-            self._ctx.first_message(call)  # the header with zeros: the same message as the others send
-            info = call.info
-            assert info is not None  # the first message settled the call
-            call.head = "ahead" if info.asynchronous or info.sharded else "sent"
+        if grads is None or asynchronous or sharded or call.local.error is not None or self._ctx.first.carrier is None:
+            self._ctx.first.announce(call)  # the header now; raises on every rank for bad input on any
         self.nonfinite = False
         return call
-
-    def _settle(self, call: Call, summary: control.Summary) -> None:
-        """Read the summed header into ``call``: free when it is healthy, else collective, and watched."""
-        if summary.healthy(self._comm.Get_size()):
-            settle(call, self._comm, self.options, self._plan, summary)
-        else:
-            self._instrument.collective(lambda: "the reading of the call header", call.number, settle, call,
-                                        self._comm, self.options, self._plan, summary)
 
     def _check(self, grads: Any) -> tuple[Any, Checked]:
         """The full local checks of ``grads``; any other iterable is first made a list, which is returned."""
@@ -374,13 +376,17 @@ class DistributedGradReducer:
         aliasing = self.validate == "always" or (self.validate == "first" and self._calls == 0)
         return grads, check_grads(grads, self._plan, aliasing)
 
-    def _reduce(self, call: Call, tune: bool = True) -> None:
-        """Reduce every bucket and RowSparse gradient of ``call``; time it while tuning (blocking calls)."""
-        tuner = self._tuner if tune else None
-        t0 = time.perf_counter()
-        paths.run(self._paths, range(len(self._paths)), call)
+    def _run(self, call: Call, tune: bool) -> None:
+        """Reduce every bucket of ``call``, then its RowSparse (and PowerSGD's) gradients, and finish it.
+
+        ``tune``: a blocking call, timed while ``bucket_bytes="auto"`` tries its caps.
+        """
+        t0 = time.perf_counter() if self._tuner is not None else 0.0
+        for path, ks in self._runs:  # each run: pack, sum, unpack (or the sum alone, in place)
+            path.reduce(ks, call)
         self._tail.reduce(call)
-        if tuner is not None:
+        tuner = self._tuner
+        if tuner is not None and tune:
             tuner.record(time.perf_counter() - t0)
             if tuner.finished:
                 self._plan.free()
@@ -389,7 +395,8 @@ class DistributedGradReducer:
         self._finish(call)
 
     def _finish(self, call: Call) -> None:
-        close(call)
+        if call.grads is not call.caller and call.local.contributing:  # stand-ins or RowSparse results
+            close(call)
         self.nonfinite = call.nonfinite
         self.contributors = call.info.contributors if call.info is not None else self._comm.Get_size()
         self.stats.calls += 1

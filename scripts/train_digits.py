@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     moving = sum(result.moving.values())
     say(f"  reduction: {moving * ms:.3f} ms moving data (reducer.stats: "
         + ", ".join(f"{name} {s * ms:.3f}" for name, s in result.moving.items())
-        + f" ms), {(result.reduce_seconds - moving) * ms:.3f} ms checking the gradients across ranks")
+        + f" ms), {(result.reduce_seconds - moving) * ms:.3f} ms in the rest of the call (checks, Python steps)")
     say(f"  {result.reduced_bytes} bytes per step in {result.messages} fused message(s)")
     if args.plot and rank == 0:
         plot(result, len(global_batches(len(data.x_train), settings.batch_size, settings.seed, 0)), args.plot, size)

@@ -15,15 +15,8 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks, everywhere
-from mpi_gradreducer._core.compression import (
-    COMPRESSIONS,
-    Compression,
-    SliceSum,
-    compressed_allreduce,
-    get_compression,
-    pack,
-    unpack,
-)
+from mpi_gradreducer._core.halves import SliceSum, compressed_allreduce
+from mpi_gradreducer._core.wire import COMPRESSIONS, Compression, get_compression, pack, unpack
 
 pytestmark = pytest.mark.mpi
 

@@ -396,7 +396,6 @@ def test_unsupported_names_raise(hvd, torch):
                           (lambda: hvd.remove_process_set(None), "remove_process_set"),
                           (lambda: hvd.init(process_sets=[]), "process sets"),
                           (lambda: hvd.run(print), "mpiexec"),
-                          (lambda: hvd.elastic.run, "elastic"),
                           (lambda: hvd.SyncBatchNorm(3), "SyncBatchNorm"),
                           (lambda: hvd.sparse_allreduce_async(None, "x", hvd.Sum), "sparse_as_dense=True"),
                           (lambda: hvd.start_timeline("t.json"), "timeline"),

@@ -76,7 +76,7 @@ def test_the_graph_sees_the_package():
     # relative imports, `from . import x` and lazy imports inside functions are all seen
     core = f"{NAME}._core"
     assert f"{core}.abort" in graph[f"{core}.watchdog"] and f"{core}.abort" in graph[f"{core}.excepthook"]
-    assert f"{NAME}._core.agreement" in graph[f"{NAME}._core.control"]
+    assert f"{NAME}._core.agreement" in graph[f"{NAME}._core.header"]
     assert f"{NAME}.reducer" in graph[f"{NAME}.bench.environment"]
 
 

@@ -113,7 +113,7 @@ def test_header_alone_and_explicit_degree(compression):
     params = [np.zeros(s, np.float32) for s in SHAPES]
     counts = PATTERNS[0]
     with DistributedGradReducer(params, degree=7, bucket_bytes=8 << 10, compression=compression) as reducer:
-        assert (reducer._ctx.carrier is None) == (compression is not None)
+        assert (reducer._ctx.first.carrier is None) == (compression is not None)
         rank = WORLD.Get_rank()
         for c in range(1, counts[rank] + 1):
             grads = [np.full(s, rank + c, np.float32) for s in SHAPES]

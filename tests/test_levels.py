@@ -2,7 +2,7 @@
 
 Under ``scripts/cluster.py run --hosts 2 --ppn 2`` (the suite's stage across
 hosts) the reducer's communicator spans hosts with several ranks on each, and
-the summers of :class:`~mpi_gradreducer._core.hosts.Hosts` have two levels; on one
+the summers of :class:`~mpi_gradreducer._core.summers.Summers` have two levels; on one
 host they are flat, in rank order. Either way each test computes, from every
 rank's random float data, the exact bits the order must give, and the
 summers must give them for every chunk size. Across hosts, the NICs' counters
@@ -17,9 +17,9 @@ from mpi4py import MPI
 
 from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer._core.compression import get_compression
-from mpi_gradreducer._core.hosts import Hosts
+from mpi_gradreducer._core.summers import Summers as Hosts
 from mpi_gradreducer._core.topology import Topology
+from mpi_gradreducer._core.wire import get_compression
 from nic import LAUNCH_HOSTS, Wire, ring_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -73,12 +73,26 @@ def test_ordered_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     scale = np.float32(0.25)
     expected = _in_order([_in_order([rows[r] for r in g]) for g in groups]) * scale
     for chunk_bytes in (64 << 10, 1 << 20):  # the bits do not depend on where the chunks begin
-        summer = hosts.ordered_sum(np.float32, chunk_bytes)
+        summer = hosts.ordered(np.float32, chunk_bytes)
         data = rows[WORLD.Get_rank()].copy()
         step = chunk_bytes // 4
         for start in range(0, n, step):
             summer(data[start : start + step], float(scale))
         np.testing.assert_array_equal(data, expected)
+
+
+@pytest.mark.parametrize("n", COUNTS)
+def test_reduce_scatter_gives_each_rank_its_slice_in_the_order_of_the_sums(hosts: Hosts, n: int):
+    """The sharded reduction's reduce-scatter: two levels across hosts too, summed as the ordered sums are."""
+    rows = _rows(n, np.float64, 23 + n)
+    groups = _groups(hosts)
+    expected = _in_order([_in_order([rows[r] for r in g]) for g in groups])
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    ends = [n * r // size for r in range(size + 1)]  # uneven slices, some empty where n < size
+    counts, displs = [ends[r + 1] - ends[r] for r in range(size)], ends[:-1]
+    out = np.empty(counts[rank])
+    hosts.scatter(np.float64).reduce_scatter(rows[rank].copy(), counts, displs, out)
+    np.testing.assert_array_equal(out, expected[displs[rank]: displs[rank] + counts[rank]])
 
 
 @pytest.mark.parametrize("n", COUNTS)
@@ -95,7 +109,7 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
         expected = level([rows[r] for r in groups[0]], half)
     else:
         expected = level([level([rows[r] for r in g]) for g in groups], half)
-    summer = hosts.slice_sum(fp16, 256 << 10)
+    summer = hosts.sliced(fp16, 256 << 10)
     data = rows[WORLD.Get_rank()].copy()
     summer.reduce(data, float(half))
     np.testing.assert_array_equal(data.view(np.uint16), expected.view(np.uint16))
@@ -104,21 +118,19 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
 @pytest.mark.parametrize("n", COUNTS)
 def test_compressed_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     """With fp16 across hosts: each host's float32 sum, divided by the ranks and rounded to float16, summed
-    across hosts in float32 and rounded again, then scaled back; on one host the plain rank-order sum.
+    across hosts in float32 and rounded again, then scaled back; where the sum is flat (one host, one rank per
+    host, uneven hosts), every rank's values so.
 
     These bits would also come from float32 traffic rounded the same way: what crosses the links is
     counted by the next test."""
     rows = _rows(n, np.float32, 11 + n)
     size, scale = WORLD.Get_size(), 0.25
-    groups = _groups(hosts) if hosts.two_levels or not hosts.casts_across else [[r] for r in range(size)]
-    if not hosts.casts_across:
-        expected = _in_order([rows[r] for r in groups[0]]) * np.float32(scale)
-    else:
-        wires = [(_in_order([rows[r] for r in g]) * np.float32(1.0 / size)).astype(np.float16) for g in groups]
-        summed = _in_order([w.astype(np.float32) for w in wires]).astype(np.float16)
-        expected = summed.astype(np.float32) * np.float32(size * scale)
+    groups = _groups(hosts) if hosts.two_levels else [[r] for r in range(size)]
+    wires = [(_in_order([rows[r] for r in g]) * np.float32(1.0 / size)).astype(np.float16) for g in groups]
+    summed = _in_order([w.astype(np.float32) for w in wires]).astype(np.float16)
+    expected = summed.astype(np.float32) * np.float32(size * scale)
     for chunk_bytes in (64 << 10, 1 << 20):  # the bits do not depend on where the chunks begin
-        summer = hosts.ordered_sum(np.float32, chunk_bytes, compression=get_compression("fp16"))
+        summer = hosts.cast(np.float32, get_compression("fp16"))
         data = rows[WORLD.Get_rank()].copy()
         step = chunk_bytes // 4
         for start in range(0, n, step):
@@ -139,7 +151,10 @@ def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts:
     assert hosts.casts_across and hosts.count == len(wire.hosts)
     data = np.random.default_rng([13, WORLD.Get_rank()]).standard_normal(4 << 20, dtype=np.float32)  # 16 MiB
     step = (chunk_bytes or hosts.chunk_bytes) // data.itemsize
-    summer = hosts.ordered_sum(np.float32, step * data.itemsize, compression=get_compression(compression))
+    if compression is None:
+        summer = hosts.ordered(np.float32, step * data.itemsize)
+    else:
+        summer = hosts.cast(np.float32, get_compression(compression), chunk_bytes=step * data.itemsize)
 
     def reduce() -> None:
         for start in range(0, data.shape[0], step):
@@ -199,7 +214,7 @@ def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: 
         expected = len(set(per_host.values())) == 1 and 1 < names.count(names[0]) < comm.Get_size()
         hosts = Hosts(comm, Topology.of(comm))
         assert (hosts.two_levels, hosts.count) == (expected, len(per_host))
-        assert hosts.ranks_per_host == (names.count(names[0]) if len(set(per_host.values())) == 1 else None)
+        assert hosts.topology.ranks_per_host == (names.count(names[0]) if len(set(per_host.values())) == 1 else None)
         hosts.free()
     finally:
         comm.Free()

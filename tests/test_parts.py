@@ -3,7 +3,7 @@
 ``validation.check_grads`` and the header (``control.Local``, ``Summary``,
 ``carries``, ``lead``) are pure and tested in one process; ``control.settle``
 and the paths of :mod:`mpi_gradreducer._core.paths`, driven directly through a
-``paths.Context``, are collective.
+``context.Context``, are collective.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import pytest
 
 from conftest import WORLD
 from mpi_gradreducer import Options, RowSparse
-from mpi_gradreducer._core import control, options as options_module, paths, transport
-from mpi_gradreducer._core.call import open_call, settle as settle_call
-from mpi_gradreducer._core.compression import get_compression
+from mpi_gradreducer._core import header as control, options as options_module, paths, summers
+from mpi_gradreducer._core.call import open_call
+from mpi_gradreducer._core.context import Context
 from mpi_gradreducer._core.fusion import plan_for
+from mpi_gradreducer._core.hooks import Cast, bucket_hook
 from mpi_gradreducer._core.instrument import Instrument
+from mpi_gradreducer._core.summers import Summers
+from mpi_gradreducer._core.topology import Topology
 from mpi_gradreducer._core.validation import check_grads
 
 
@@ -224,26 +227,30 @@ def test_settle_names_ranks_at_different_calls_and_different_structures():
 # -- the paths, collective -------------------------------------------------------------------
 
 
-def _context(arrays: list[np.ndarray], **kwargs: Any) -> tuple[paths.Context, list[Any]]:
+def _context(arrays: list[np.ndarray], **kwargs: Any) -> tuple[Context, list[Any]]:
     plan, options = _plan(arrays, **kwargs)
     instrument = Instrument(WORLD, options)
-    ctx = paths.Context(WORLD, plan, options, instrument, get_compression(options.wire_format))
+    ctx = Context(WORLD, plan, options, instrument, Summers(WORLD, Topology.of(WORLD), two_levels=False),
+                  bucket_hook(options))
     return ctx, paths.assign(ctx)
 
 
-def _call(ctx: paths.Context, grads: list[Any], number: int = 1):
+def _run(assigned: list[Any], ks: Any, call: Any) -> None:
+    for path, run in paths.runs(assigned, ks):
+        path.reduce(run, call)
+
+
+def _call(ctx: Context, grads: list[Any], number: int = 1):
     """A validated, opened call whose header will ride on the carrier (or is read now)."""
     checked = check_grads(grads, ctx.plan, True)
     assert checked.error is None
     call = open_call(number, grads, ctx.plan, checked, check_finite=False)
-    call.settle = lambda summary: settle_call(call, WORLD, ctx.options, ctx.plan, summary)
-    if ctx.carrier is None:
-        call.settle(control.exchange(WORLD, call.local))
-        call.head = "ahead"
+    if ctx.first.carrier is None:
+        ctx.first.announce(call)
     return call
 
 
-def _close(ctx: paths.Context) -> None:
+def _close(ctx: Context) -> None:
     ctx.instrument.close()
 
 
@@ -258,7 +265,7 @@ def test_host_path_in_place_and_packed():
         grads[2] = np.full((2, 2), r + 1.0).T  # strided: packed
         large = grads[1]
         call = _call(ctx, grads)
-        paths.run(assigned, range(len(assigned)), call)
+        _run(assigned, range(len(assigned)), call)
         for g in grads:
             np.testing.assert_allclose(g, (size + 1) / 2)
         assert grads[1] is large  # in place
@@ -279,20 +286,20 @@ def test_host_path_joins_consecutive_own_view_buckets_into_one_run():
         for v in views:
             v[...] = r + 1.0
         call = _call(ctx, views)
-        paths.run(assigned, range(3), call)
+        _run(assigned, range(3), call)
         for v in views:
             np.testing.assert_allclose(v, (size + 1) / 2)
         # The header with bucket 0 (all of it fits in the head), then buckets 1 and 2 as one run: the
         # collectives of one sum of their 256 elements (one on one host, where a small chunk is gathered
         # whole; two across hosts, where it is not)
-        one_run = transport.allreduce(WORLD, np.zeros(256), 1.0, ctx.hosts.chunk_bytes,
-                                      ordered=ctx.summer(np.dtype(np.float64)), every_chunk=True)
+        one_run = summers.allreduce(WORLD, np.zeros(256), 1.0, ctx.summers.chunk_bytes,
+                                    ordered=ctx.summers.ordered(np.float64), every_chunk=True)
         assert ctx.instrument.stats.messages == 1 + one_run
         assert call.info.runs
         ordinary = [np.full(64, r + 1.0) for _ in range(6)]
         before = ctx.instrument.stats.messages
         call = _call(ctx, ordinary, 2)
-        paths.run(assigned, range(3), call)
+        _run(assigned, range(3), call)
         for g in ordinary:
             np.testing.assert_allclose(g, (size + 1) / 2)
         assert ctx.instrument.stats.messages - before == 3  # the header with bucket 0, then 1 and 2 apart
@@ -306,12 +313,12 @@ def test_half_path_sends_16_bits_and_sums_in_float32():
     params = [np.zeros(8, np.float16), np.zeros(4, np.float16)]
     ctx, assigned = _context(params, mean=False)
     try:
-        assert type(assigned[0]) is paths.HalfPath and ctx.plan.buffers[0].bucket.wire_dtype == np.float16
-        assert ctx.carrier is None  # 16-bit sums are not exact enough to carry the header: it goes alone
+        assert type(assigned[0]) is paths.HostPath and ctx.plan.buffers[0].bucket.wire_dtype == np.float16
+        assert ctx.first.carrier is None  # 16-bit sums are not exact enough to carry the header: it goes alone
         # 1024 + 0.5 is not a float16: partial sums in float16 would stay at 1024.
         grads = [np.full(8, 1024.0 if r == 0 else 0.5, np.float16), np.full(4, r + 1.0, np.float16)]
         call = _call(ctx, grads)
-        paths.run(assigned, range(len(assigned)), call)
+        _run(assigned, range(len(assigned)), call)
         want = np.float16(1024.0 + 0.5 * (size - 1))  # summed in float32, rounded once
         np.testing.assert_array_equal(grads[0], np.full(8, want, np.float16))
         np.testing.assert_array_equal(grads[1], np.full(4, size * (size + 1) / 2, np.float16))
@@ -327,10 +334,10 @@ def test_compressed_path_sends_16_bits_and_returns_the_mean():
     params = [np.zeros(1000, np.float32), np.zeros(7, np.float32)]
     ctx, assigned = _context(params, compression="fp16")
     try:
-        assert all(type(p) is paths.CompressedPath for p in assigned) and ctx.carrier is None
+        assert isinstance(ctx.hook, Cast) and ctx.first.carrier is None
         grads = [np.full(p.shape, r + 1.0, np.float32) for p in params]
         call = _call(ctx, grads)
-        paths.run(assigned, range(len(assigned)), call)
+        _run(assigned, range(len(assigned)), call)
         for g in grads:
             np.testing.assert_allclose(g, (size + 1) / 2, rtol=1e-3)
         assert ctx.instrument.stats.messages >= (len(ctx.plan.buffers) if size > 1 else 0)
@@ -348,7 +355,7 @@ def test_sparse_path_gathers_every_ranks_rows():
         grads: list[Any] = [RowSparse(np.array([r % 5, 4]), np.full((2, 2), r + 1.0, np.float32), (5, 2)),
                             np.full(3, r + 1.0, np.float32)]
         call = _call(ctx, grads)
-        paths.run(assigned, range(len(assigned)), call)
+        _run(assigned, range(len(assigned)), call)
         before = ctx.instrument.stats.messages
         sparse.reduce(call)
         assert ctx.instrument.stats.messages - before == 3

@@ -150,22 +150,22 @@ def test_bucket_views_are_reduced_where_they_lie(comm):
 
 def _levels(comm) -> list[int]:
     """The ranks of each level of the reducer's rank-order sums: per host, then hosts; or all ranks at once."""
-    from mpi_gradreducer._core.hosts import Hosts
+    from mpi_gradreducer._core.summers import Summers
     from mpi_gradreducer._core.topology import Topology
 
-    hosts = Hosts(comm, Topology.of(comm))
+    hosts = Summers(comm, Topology.of(comm))
     try:
-        return [hosts.ranks_per_host, hosts.count] if hosts.two_levels else [comm.Get_size()]  # type: ignore[list-item]
+        return [hosts.topology.ranks_per_host, hosts.count] if hosts.two_levels else [comm.Get_size()]  # type: ignore[list-item]
     finally:
         hosts.free()
 
 
 def _chunk_bytes(comm) -> int:
     """The bytes of one collective of the reducer's sums (smaller across hosts)."""
-    from mpi_gradreducer._core.hosts import Hosts
+    from mpi_gradreducer._core.summers import Summers
     from mpi_gradreducer._core.topology import Topology
 
-    hosts = Hosts(comm, Topology.of(comm))
+    hosts = Summers(comm, Topology.of(comm))
     try:
         return hosts.chunk_bytes
     finally:
@@ -188,8 +188,8 @@ def _ordered_sum_calls(n: int, levels: list[int], gathered: int) -> int:
 
 
 def test_bucket_views_are_one_block_reduced_in_chunks_across_buckets(comm):
-    from mpi_gradreducer._core.paths import HEAD_BYTES
-    from mpi_gradreducer._core.transport import GATHERED_SUM_BYTES
+    from mpi_gradreducer._core.call import HEAD_BYTES
+    from mpi_gradreducer._core.summers import GATHERED_SUM_BYTES
 
     shapes = [(700, 1024), (3,), (300, 1024), (5, 5), (1200, 1024), (17,)]  # large and small, float32
     params = _params(shapes)

@@ -239,7 +239,7 @@ def test_views_after_ordinary_arrays_write_nothing_else():
     shapes = [(10,)] * 16
     params = [np.zeros(s, np.float32) for s in shapes]
     with DistributedGradReducer(params, group=comm, degree=comm.Get_size() + 1) as reducer:
-        assert reducer._ctx.whole_with_header == 0 and reducer._plan.buffers[0]._gather is not None
+        assert reducer._ctx.first.whole and reducer._plan.buffers[0]._gather is not None
         earlier = [np.zeros(s, np.float32) for s in shapes]
         _armed(reducer, earlier, comm)  # packed and unpacked by the copies' datatype, then replayed
         _fill(earlier, -7.0)
@@ -263,7 +263,7 @@ def test_a_random_sequence_of_call_kinds_writes_each_calls_arrays_only(first_buc
     rng = np.random.default_rng(2024)  # the same sequence on every rank
     params = [np.zeros(s, np.float32) for s in shapes]
     with DistributedGradReducer(params, group=comm, degree=size + 1, bucket_bytes=1 << 20) as reducer:
-        assert (reducer._ctx.whole_with_header == 0) == (first_bucket == "whole-with-header")
+        assert (reducer._ctx.first.whole) == (first_bucket == "whole-with-header")
         same = [np.zeros(s, np.float32) for s in shapes]
         views: list = []
         block = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)

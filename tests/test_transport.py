@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD, assert_same_on_all_ranks
-from mpi_gradreducer._core import backend, transport
+from mpi_gradreducer._core import backend, summers, transport
 
 pytestmark = pytest.mark.mpi
 
@@ -27,7 +27,7 @@ def test_chunked_sum_and_mean_match_a_reference(dtype, count, scale):
     expected = everyone.astype(np.complex128).sum(axis=0) * scale
     buf = mine.copy()
     seen = []
-    calls = transport.allreduce(WORLD, buf, scale, chunk_bytes=1 << 20, after=lambda c: seen.append(c.shape[0]))
+    calls = summers.allreduce(WORLD, buf, scale, chunk_bytes=1 << 20, after=lambda c: seen.append(c.shape[0]))
     assert sum(seen) == count and calls >= len(seen)
     tol = 1e-6 if np.dtype(dtype).itemsize <= 8 and dtype != "float64" else 1e-12
     np.testing.assert_allclose(buf.astype(np.complex128), expected, rtol=tol, atol=tol)
@@ -35,8 +35,8 @@ def test_chunked_sum_and_mean_match_a_reference(dtype, count, scale):
 
 
 def test_large_means_take_the_reduce_scatter_path():
-    buf = np.ones(WORLD.Get_size() * (transport.SPLIT_MEAN_BYTES // 4), np.float32)  # divisible by size
-    calls = transport.allreduce(WORLD, buf, 0.5, chunk_bytes=buf.nbytes)
+    buf = np.ones(WORLD.Get_size() * (summers.SPLIT_MEAN_BYTES // 4), np.float32)  # divisible by size
+    calls = summers.allreduce(WORLD, buf, 0.5, chunk_bytes=buf.nbytes)
     assert calls == (2 if WORLD.Get_size() > 1 else 1)
     np.testing.assert_array_equal(buf, WORLD.Get_size() * 0.5)
 
@@ -154,8 +154,8 @@ def test_polled_summers_move_the_same_bytes_as_blocking_ones(computing, count):
     polling = Polling()
     polling.computing(computing)
     blocking, polled = mine.copy(), mine.copy()
-    transport.OrderedSum(WORLD, np.float32, 1 << 20)(blocking, 0.25)
-    transport.OrderedSum(WORLD, np.float32, 1 << 20, wait=polling.wait)(polled, 0.25)
+    summers.OrderedSum(WORLD, np.float32, 1 << 20)(blocking, 0.25)
+    summers.OrderedSum(WORLD, np.float32, 1 << 20, wait=polling.wait)(polled, 0.25)
     np.testing.assert_array_equal(polled.view(np.uint32), blocking.view(np.uint32))
     assert_same_on_all_ranks(WORLD, [polled])
 

@@ -10,7 +10,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import backend
-from .compression import get_compression
 from .dtypes import largest_finite, reduction_dtype, scaled_copy
 from .options import Options
 from .planning import DIRECT_BYTES, FIRST_BUCKET_BYTES, Bucket, ParamSpec, make_plan
@@ -286,23 +285,18 @@ class FusionPlan:
 
 
 def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
-             local: MPI.Intracomm | None = None, compressed: bool = True) -> FusionPlan:
+             local: MPI.Intracomm | None = None) -> FusionPlan:
     """The reducer's plan: backward order, a small first bucket, large gradients alone.
 
-    Host gradients travel in their own dtype (float16 and bfloat16 too: each
-    rank then sums one slice in float32); with compression, float32 and
-    float64 ones as 16-bit floats, unless not ``compressed`` (across hosts
-    only what crosses them is: :attr:`.Hosts.casts_across`); device halves in
-    float32.
+    Host gradients are held in their own dtype (float16 and bfloat16 too:
+    each rank then sums one slice in float32; compression casts them on the
+    way, :class:`~.hooks.Cast`); device halves in float32.
     """
-    comp = get_compression(options.wire_format) if compressed else None
 
     def wire_dtype(dtype: np.dtype, device: str) -> np.dtype:
         if not backend.is_host(device):
             return reduction_dtype(dtype)  # device halves are summed by MPI in float32
-        if comp is not None and comp.applies_to(dtype):
-            return comp.wire_dtype
-        return np.dtype(dtype)  # host halves travel as 16 bits, summed slice by slice in float32
+        return np.dtype(dtype)
 
     exclude = list(options.skipped)
     if options.powersgd is not None:  # its gradients are reduced by the PowerSGD path (mpi_gradreducer._core.lowrank)
@@ -315,13 +309,11 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
     return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skipped) if not skip], local)
 
 
-def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int],
-                  compressed: bool = True) -> list[int]:
-    """The caps among ``caps`` that give different plans (the smallest of each kind; ``compressed``: as for
-    :func:`plan_for`)."""
+def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int]) -> list[int]:
+    """The caps among ``caps`` that give different plans (the smallest of each kind)."""
     seen, kept = set(), []
     for cap in caps:
-        shape = tuple(b.indices for b in plan_for(specs, options, cap, compressed=compressed).buckets)
+        shape = tuple(b.indices for b in plan_for(specs, options, cap).buckets)
         if shape not in seen:
             seen.add(shape)
             kept.append(cap)

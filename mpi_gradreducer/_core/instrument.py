@@ -60,8 +60,10 @@ class Instrument:
         timeout, stall, abort = options.timeout, options.stall_warning, options.abort_on_exception
         assert not isinstance(timeout, str) and not isinstance(stall, str) and not isinstance(abort, str), \
             "options not resolved"
-        self._watchdog: Watchdog | None = Watchdog(comm, timeout, stall, hook=abort)
-        self._unwatched = False
+        #: The watchdog that times each collective (None once closed).
+        self.watchdog: Watchdog | None = Watchdog(comm, timeout, stall, hook=abort)
+        #: False while :meth:`unwatched`: collectives are then reported but never timed.
+        self.watching = True
 
     @contextmanager
     def unwatched(self) -> Iterator[None]:
@@ -71,19 +73,19 @@ class Instrument:
         long they compute, that wait is no stall (a stall inside the call is
         still found by the ranks that wait in it, this one included).
         """
-        self._unwatched = True
+        self.watching = False
         try:
             yield
         finally:
-            self._unwatched = False
+            self.watching = True
 
     def collective(self, what: Callable[[], str], call: int, fn: Callable[..., Any], *args: Any,
                    **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under the watchdog; ``what()`` describes it, as part of call ``call``."""
-        wd = self._watchdog
+        wd = self.watchdog
         if wd is None:
             return fn(*args, **kwargs)
-        wd.arm(what, call, not self._unwatched)
+        wd.arm(what, call, self.watching)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -108,11 +110,12 @@ class Instrument:
         if self._timeline is not None:
             self._timeline.record(name, start, end, **args)
 
-    def close(self) -> None:
-        """Write the timeline (collective) and stop the watchdog (local)."""
+    def close(self, write: bool = True) -> None:
+        """Write the timeline (collective; ``write=False`` drops it) and stop the watchdog (local)."""
         if self._timeline is not None:
-            self._timeline.close()
+            if write:
+                self._timeline.close()
             self._timeline = None
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = None
+        if self.watchdog is not None:
+            self.watchdog.close()
+            self.watchdog = None

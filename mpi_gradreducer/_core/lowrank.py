@@ -36,15 +36,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, backend, transport
+from . import agreement, backend
 from .blas import BlasThreads, share_of_cores
 from .call import Call
 from .dtypes import largest_finite, scaled_copy
-from .hosts import Hosts
 from .instrument import Instrument
 from .options import Options
 from .planning import ParamSpec
 from .powersgd import PowerSGD, compute_dtype, draw_q, matrix_shape, orthonormalise
+from .summers import Summers, allreduce
 from .topology import Topology
 
 __all__ = ["LowRankPath"]
@@ -121,15 +121,15 @@ class LowRankPath:
         specs: every parameter.
         options: the reducer's options (``powersgd`` set).
         instrument: the reducer's counters and watchdog.
-        hosts: which ranks share a host (it makes the host summers); flat without it.
+        summers: the reducer's summers (host sums: two levels across hosts); flat ones without it.
     """
 
     def __init__(self, comm: MPI.Intracomm, specs: Sequence[ParamSpec], options: Options,
-                 instrument: Instrument, hosts: Hosts | None = None) -> None:
+                 instrument: Instrument, summers: Summers | None = None) -> None:
         assert options.powersgd is not None
         self.config: PowerSGD = options.powersgd
         self.comm, self.specs, self.options, self.instrument = comm, tuple(specs), options, instrument
-        self.hosts = hosts if hosts is not None else Hosts(comm, Topology.of(comm), two_levels=False)
+        self.summers = summers if summers is not None else Summers(comm, Topology.of(comm), two_levels=False)
         self.indices = self.config.compressed(specs, options.skipped)
         #: The number of calls made so far (the next call's number, counting from 0).
         self.iteration = 0
@@ -137,7 +137,6 @@ class LowRankPath:
         for i in self.indices:
             keyed.setdefault((specs[i].device, compute_dtype(specs[i].dtype).str), []).append(i)
         self.groups = [_Group(members, specs, self.config.rank) for members in keyed.values()]
-        self._summers: dict[np.dtype, transport.Summer] = {}  # rank-order sums of host buffers, by dtype
         #: The Q the next compressed call uses, per parameter, transposed (``rank x m``, on the parameter's device).
         self.q: dict[int, Any] = {}
         #: This rank's error per parameter, shaped like the parameter (with error feedback only).
@@ -153,7 +152,7 @@ class LowRankPath:
                     self.error[i] = e
         self._scratch: dict[int, Any] = {}  # M of gradients that are not C-contiguous
         #: The host products' BLAS threads: this rank's share of its host's cores.
-        self.blas = BlasThreads(share_of_cores(self.hosts.ranks_here))
+        self.blas = BlasThreads(share_of_cores(self.summers.topology.local_size))
 
     # -- state ------------------------------------------------------------------------
 
@@ -398,27 +397,23 @@ class LowRankPath:
     def _sum(self, g: _Group, buf: Any, call: Call, scale: float, what: str) -> None:
         """Sum ``buf`` (1-D) of group ``g`` over the ranks in place, times ``scale`` (collective).
 
-        Host sums reuse one rank-order summer per dtype, and are all formed in rank order with ``deterministic``.
+        Host sums take the reducer's summer of their dtype, and are all formed in rank order with ``deterministic``.
         """
         def describe() -> str:
             return f"PowerSGD {what} ({buf.nbytes} bytes, {g.dtype} on {g.device})"
 
-        def allreduce(data: Any) -> int:
-            ordered: transport.Summer | None = None
-            if isinstance(data, np.ndarray):
-                ordered = self._summers.get(data.dtype)
-                if ordered is None:
-                    ordered = self._summers[data.dtype] = self.hosts.ordered_sum(data.dtype)
-            return transport.allreduce(self.comm, data, scale, self.hosts.chunk_bytes, ordered=ordered,
-                                       every_chunk=self.options.deterministic)
+        def reduce(data: Any) -> int:
+            ordered = self.summers.ordered(data.dtype) if isinstance(data, np.ndarray) else None
+            return allreduce(self.comm, data, scale, self.summers.chunk_bytes, ordered=ordered,
+                             every_chunk=self.options.deterministic)
 
         if g.host or self.options.cuda_aware:
             if g.ops is not None:
                 g.ops.ready_for_mpi()
-            self.instrument.stats.messages += self.instrument.collective(describe, call.number, allreduce, buf)
+            self.instrument.stats.messages += self.instrument.collective(describe, call.number, reduce, buf)
             return
         host = backend.to_numpy(buf)  # no CUDA-aware MPI: through host memory
-        self.instrument.stats.messages += self.instrument.collective(describe, call.number, allreduce, host)
+        self.instrument.stats.messages += self.instrument.collective(describe, call.number, reduce, host)
         backend.copy_from_host(buf, host)
 
     def _record(self, call: Call, nbytes: int, t0: float, before: float, mpi: float, after: float) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from . import agreement, backend, compression as wire, interop, planning, transport
+from . import agreement, backend, interop, planning, transport, wire
 from .blas import share_of_cores
 from .dtypes import SUPPORTED_NAMES, dtype_code
 from .planning import DEFAULT_BUCKET_BYTES, ParamSpec
@@ -63,6 +63,11 @@ PROGRESS_MODES = ("auto", "thread", "deferred")
 def _agreed(key: Callable[[Any], Any] | None = None) -> dict[str, Any]:
     """The metadata of a field that every rank must give alike (``key``: what of it must agree)."""
     return {"agree": key or (lambda value: value)}
+
+
+def _name(value: Any) -> str | None:
+    """What of a callable option must agree: its qualified name (its address differs from rank to rank)."""
+    return None if value is None else getattr(value, "__qualname__", type(value).__qualname__)
 
 
 @dataclass(frozen=True)
@@ -143,6 +148,12 @@ class Options:
             bitwise the same whatever ``bucket_bytes``, fusion layout, bucket
             views or ordinary arrays, blocking or asynchronous call, and MPI
             library. Host parameters only.
+        hook: a bucket hook, ``hook(bucket) -> None`` (PyTorch DDP's comm
+            hooks): it is handed each bucket of each call as a
+            :class:`~mpi_gradreducer.GradBucket` and leaves the bucket's sum
+            across ranks, times ``bucket.scale``, in ``bucket.buffer``, on
+            every rank alike (``bucket.reduce()`` is the reducer's own sum).
+            Not with ``compression="fp16"``/``"bf16"``, which is such a hook.
     """
 
     mean: bool = field(default=True, metadata=_agreed())
@@ -164,6 +175,7 @@ class Options:
     coalesce: bool = field(default=False, metadata=_agreed())
     progress: str = field(default="auto", metadata=_agreed())
     deterministic: bool = field(default=False, metadata=_agreed())
+    hook: Callable[[Any], None] | None = field(default=None, metadata=_agreed(_name))
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes``.
@@ -290,6 +302,11 @@ def resolve(options: Options, specs: Sequence[ParamSpec], size: int) -> Options:
     _check_compression(specs, size, o)
     if not (isinstance(o.bucket_bytes, str) and o.bucket_bytes == "auto"):
         positive("bucket_bytes", o.bucket_bytes, integer=True, also=" or 'auto'")
+    if o.hook is not None and not callable(o.hook):
+        raise TypeError(f"hook: expected a callable hook(bucket) or None, got {type(o.hook).__name__} {o.hook!r}")
+    if o.hook is not None and isinstance(o.compression, str):
+        raise ValueError(f"hook: not with compression={o.compression!r}, which is a bucket hook of its own; "
+                         "give one of them")
     if o.validate not in VALIDATE_MODES:
         raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {o.validate!r}")
     timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if _env(o.timeout) else o.timeout

@@ -39,6 +39,7 @@ from .dtypes import reduction_dtype, scaled_copy
 from .fusion import FusionPlan
 from .instrument import Instrument
 from .planning import Bucket
+from .summers import Summers
 from .validation import Checked, check_grads
 
 __all__ = ["Piece", "Shard", "Sharder", "Span", "arrays_only", "bounds", "cuts", "layout"]
@@ -144,10 +145,11 @@ class Sharder:
         comm: the reducer's communicator.
         plan: the reducer's plan.
         instrument: the reducer's counters and watchdog.
+        summers: the reducer's summers (reduce-scatters in two levels across hosts).
     """
 
-    def __init__(self, comm: MPI.Intracomm, plan: FusionPlan, instrument: Instrument) -> None:
-        self.comm, self.plan, self.instrument = comm, plan, instrument
+    def __init__(self, comm: MPI.Intracomm, plan: FusionPlan, instrument: Instrument, summers: Summers) -> None:
+        self.comm, self.plan, self.instrument, self.summers = comm, plan, instrument, summers
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         buckets = plan.buckets
         self.cuts = [cuts(b, self.size) for b in buckets]
@@ -161,12 +163,12 @@ class Sharder:
         self._wide: list[np.ndarray | None] = [None] * len(buckets)  # half buckets widened to float32
         self._results: list[Any] = [None] * len(buckets)  # the same, scaled, in the members' dtype
         self._gathered: list[np.ndarray | None] = [None] * len(buckets)  # a whole bucket, members' dtype
-        self._summers: dict[np.dtype, transport.OrderedSum] = {}  # rank-order reduce-scatters, by dtype
 
     @classmethod
-    def of(cls, current: Sharder | None, comm: MPI.Intracomm, plan: FusionPlan, instrument: Instrument) -> Sharder:
+    def of(cls, current: Sharder | None, comm: MPI.Intracomm, plan: FusionPlan, instrument: Instrument,
+           summers: Summers) -> Sharder:
         """``current`` if it was made for ``plan``, else a new one."""
-        return current if current is not None and current.plan is plan else cls(comm, plan, instrument)
+        return current if current is not None and current.plan is plan else cls(comm, plan, instrument, summers)
 
     def chunks(self, k: int) -> Iterator[tuple[int, int, list[int], list[int], int]]:
         """For each chunk of bucket ``k``: start, length, counts and displacements per rank, and where this
@@ -188,9 +190,7 @@ class Sharder:
             b = f.bucket
             members = call.members(f)
             send = f.in_place(members) if backend.is_host(b.device) else None
-            if send is None and b.wire_dtype != b.dtype:  # compressed: reduce-scattered uncompressed
-                send = self._widened(k, members)
-            elif send is None:
+            if send is None:
                 send = self._packed(k, members, call.epoch)
             if send.dtype.itemsize == 2:  # MPI has no half-precision sum: reduce-scatter in float32
                 send = self._widened(k, [send])
@@ -201,7 +201,7 @@ class Sharder:
                 mine = received[at: at + counts[self.rank]]
                 if self.size > 1:
                     self.instrument.collective(partial("reduce-scatter of bucket {} ({} bytes)".format, k, b.nbytes),
-                                               call.number, self._summer(send.dtype).reduce_scatter,
+                                               call.number, self.summers.scatter(send.dtype).reduce_scatter,
                                                send[c0: c0 + n], counts, displs, mine)
                 else:
                     mine[...] = send[c0: c0 + n]
@@ -220,13 +220,6 @@ class Sharder:
         pieces = tuple(Piece(s.index, s.start, s.stop, self._results[s.bucket][s.offset: s.offset + s.stop - s.start])
                        for s in self.spans)
         return Shard(self, call.number, pieces)
-
-    def _summer(self, dtype: np.dtype) -> transport.OrderedSum:
-        """The rank-order summer of ``dtype`` (made once)."""
-        summer = self._summers.get(dtype)
-        if summer is None:
-            summer = self._summers[dtype] = transport.OrderedSum(self.comm, dtype, transport.CHUNK_BYTES)
-        return summer
 
     def _widened(self, k: int, parts: Sequence[Any]) -> np.ndarray:
         """Bucket ``k``'s members (or its one 16-bit buffer) in the dtype they are summed in, on the host."""

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from mpi4py import MPI
 
-from .paths import run
+from .paths import runs
 
 if TYPE_CHECKING:
     from .call import Call
@@ -247,7 +247,8 @@ class Overlap:
         try:
             for path, token in launched:
                 path.launched = token
-            run(paths, batch, call)
+            for path, ks in runs(paths, batch):
+                path.reduce(ks, call)
         except BaseException as exc:  # reported by wait()
             error = exc
         for _ in batch:

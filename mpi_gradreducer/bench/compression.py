@@ -13,7 +13,7 @@ slowest rank's, and the table shows medians and the speed-up over the
 uncompressed mean (``none``: Allreduce in place in chunks, each chunk scaled
 by 1/size right after). Compressed modes do what the reducer's compressed
 path does: cast into a 16-bit wire buffer, sum it chunk by chunk
-(:func:`mpi_gradreducer._core.compression.compressed_allreduce`), and cast back
+(:func:`mpi_gradreducer._core.summers.compressed_allreduce`), and cast back
 with the mean applied. ``cast`` rows time the
 pack and unpack alone, without communication. Errors are against the mean
 computed in float64 from the same float32 inputs, and the ranks' results are
@@ -38,7 +38,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import transport
-from .._core.compression import Compression, compressed_allreduce, get_compression, pack, unpack
+from .._core.halves import compressed_allreduce
+from .._core.summers import allreduce
+from .._core.wire import Compression, get_compression, pack, unpack
 from .cli import RankParser, add_network_options, parse, run_as_script
 from .network import NicMeter, figures, format_lines as network_lines
 from .output import write_json
@@ -77,7 +79,7 @@ def _runner(mode: str, comm: MPI.Comm, grad: np.ndarray, comps: dict[str, Compre
             chunk_bytes: int) -> Callable[[], object]:
     size = comm.Get_size()
     if mode == "none":
-        return lambda: transport.allreduce(comm, grad, 1.0 / size, chunk_bytes)
+        return lambda: allreduce(comm, grad, 1.0 / size, chunk_bytes)
     name, _, method = mode.partition("-")
     comp = comps[name]
     pre, post = comp.scales(size, size, mean=True)

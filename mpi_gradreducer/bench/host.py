@@ -13,66 +13,8 @@ values into the gradients, then a barrier; the time of a repetition is the
 maximum over the ranks. Every method's result is checked once against the
 exact expected mean.
 
-Methods (bytes are the bytes of the gradients as the caller holds them):
-
-``limit``
-    ``Allreduce(MPI.IN_PLACE, buf)`` over one preallocated contiguous float32
-    buffer of the same bytes (allocated as the reducer's: on huge pages from
-    1 MiB), in chunks of 256 KiB, 1, 4, 16 MiB or whole; the fastest chunk
-    size (by median) is the limit, and is reported.
-``per-tensor``
-    One in-place Allreduce per gradient, each followed by a multiplication by
-    ``1 / size``.
-``reducer``
-    :class:`DistributedGradReducer` on separately allocated arrays.
-``reducer-novalidate``
-    The same with ``validate="never"``: the difference is the cost of the
-    cross-rank validation (printed as ``< noise`` when it comes out negative).
-``reducer-views``
-    The reducer on the arrays of ``reducer.allocate_grads()`` (no copies).
-``reducer-fresh``
-    The first call after the arrays change: the reducer alternately on two
-    lists of distinct arrays, so that no call gets the previous call's arrays
-    (which ``reducer`` gets from its third call on, and replays: see
-    :mod:`mpi_gradreducer._core.replay`). Reported also as ``reducer-fresh / reducer``.
-``reducer-deterministic``
-    The reducer with ``deterministic=True`` on separately allocated arrays:
-    every element summed in rank order; ``reducer-deterministic / reducer``
-    is printed. Only when named in ``--methods``.
-``packed-floor``
-    The least that any reducer which packs separate arrays must do, written
-    by hand with nothing else: one copy of all gradients into a preallocated
-    buffer (allocated as the reducer's, on huge pages from 1 MiB; one MPI
-    call over an ``hindexed`` datatype made once), the
-    ``Allreduce`` in chunks of 1 MiB, each chunk scaled by ``1 / size``, one
-    copy back. No checks, no header. Single-dtype workloads only;
-    ``reducer / packed-floor`` is printed.
-``reducer-shard``
-    What a sharded (ZeRO-style) optimizer's step sends with the reducer's
-    plan: ``reducer.reduce_scatter(grads)``, each piece copied into its
-    parameter (standing for the update of this rank's 1/N), then
-    ``shard.allgather(params)``. Reported also as ``reducer-shard / reducer``
-    (the Allreduce of the same plan).
-``reducer-torch``
-    Where torch imports on every rank: the same gradients as torch CPU tensors
-    (``torch.from_numpy`` over the numpy arrays) handed straight to a reducer
-    built from them; ``reducer-torch / reducer`` is the cost of taking torch
-    tensors. Reported as not supported, on every rank alike, while the
-    reducer refuses torch tensors.
-``reducer-fp16``
-    Only when asked for (``--methods``): the reducer with
-    ``compression="fp16"`` (float32 gradients travel as float16, half the
-    bytes; each rank sums its slice in float32). Reported as skipped where
-    the reducer refuses the workload's dtypes.
-``reducer-powersgd``, ``torch-powersgd``
-    Only when asked for (``--methods``): PowerSGD in the reducer, and torch
-    DDP's ``powerSGD_hook`` over gloo as the peer, at ``--powersgd-rank``;
-    bytes per call and a modelled link (:mod:`mpi_gradreducer.bench.powersgd`).
-``torch-gloo``
-    When torch is importable: ``torch.distributed`` with the gloo backend
-    doing what DDP does: buckets in reverse parameter order, per dtype, of
-    1 MiB for the first and 25 MiB after that; each bucket is copied into a
-    flat buffer, all-reduced, divided by the world size and copied back.
+The methods and what each times: :mod:`mpi_gradreducer.bench.host_methods`;
+the tables: :mod:`mpi_gradreducer.bench.host_tables`.
 
 For the ``small`` workload (the digits MLP, 38 KB) the reducer is also given
 as a ratio to ONE raw Allreduce of all its bytes, with ``validate="always"``
@@ -93,210 +35,37 @@ import importlib.util
 import statistics
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer
-from .._core.backend import empty
 from . import powersgd
 from .cli import RankParser, add_network_options, add_shared_options, run_as_script, start
 from .counters import reducer_stats
 from .environment import environment, loadavg
-from .limit import best_limit, limit_cases
-from .network import NicMeter, figures, format_lines as network_lines
-from .output import KIB, MIB, bytes_label, noise_or, size_label, write_json
+from .host_methods import (
+    COMPRESSED,
+    DEFAULT_METHODS,
+    DEFAULT_WORKLOADS,
+    METHODS,
+    ON_REQUEST,
+    WHOLE,
+    Methods,
+    workload_methods,
+)
+from .host_tables import format_workload
+from .limit import best_limit
+from .network import NicMeter, figures
+from .output import size_label, write_json
 from .overlap import bench_overlap, format_overlap
 from .sweeps import SWEEPS, allreduce_curve, format_sweeps, run_sweeps
-from .timing import Case, agree, all_close, expected_sum, fill_value, filler, keep_working, summary, time_cases
+from .timing import Case, fill_value, filler, summary, time_cases
 from .torch_methods import Gloo, gloo_usable, torch_ingestion
 from .workloads import WORKLOADS, Workload, make_workload, many_small
 
-__all__ = ["DEFAULT_WORKLOADS", "LIMIT_CHUNKS", "METHODS", "bench_workload", "main"]
-
-#: What runs without ``--workload``.
-DEFAULT_WORKLOADS = ("resnet50", "bert-base", "many-small", "mixed")
-METHODS = ("limit", "per-tensor", "packed-floor", "reducer", "reducer-novalidate", "reducer-views", "reducer-fresh",
-           "reducer-shard", "reducer-torch", "torch-gloo", "reducer-deterministic", "reducer-fp16",
-           *powersgd.POWERSGD_METHODS)
-#: Methods timed only when named in ``--methods``.
-ON_REQUEST = ("reducer-deterministic", "reducer-fp16", *powersgd.POWERSGD_METHODS)
-#: Methods whose bytes on the wire are not the gradients' (their own optimum is printed too).
-COMPRESSED = ("reducer-fp16", *powersgd.POWERSGD_METHODS)
-#: What runs without ``--methods``: all but PowerSGD's and ``reducer-deterministic``.
-DEFAULT_METHODS = tuple(m for m in METHODS if m not in ON_REQUEST)
-#: Chunk sizes tried for the raw-MPI limit; 0 stands for "the whole buffer at once".
-LIMIT_CHUNKS = (256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB, 0)
-#: The limit case that is one Allreduce of all the bytes.
-_WHOLE = "limit@whole"
-
-
-@dataclass
-class _Methods:
-    """The cases of one workload, and what is needed to report on them."""
-
-    cases: list[Case] = field(default_factory=list)
-    reducers: dict[str, DistributedGradReducer] = field(default_factory=dict)
-    limit_sizes: dict[str, int] = field(default_factory=dict)
-    messages: dict[str, int] = field(default_factory=dict)
-    skipped: dict[str, str] = field(default_factory=dict)
-    handles: list[Any] = field(default_factory=list)
-    peers: dict[str, Any] = field(default_factory=dict)
-
-    def free(self) -> None:
-        """Free every reducer and MPI handle made."""
-        for r in self.reducers.values():
-            r.free()
-        for h in self.handles:
-            h.Free()
-
-
-def _per_tensor(comm: MPI.Comm, grads: Sequence[np.ndarray]) -> None:
-    scale = 1.0 / comm.Get_size()
-    for g in grads:
-        comm.Allreduce(MPI.IN_PLACE, g)
-        np.multiply(g, scale, out=g)
-
-
-def _add_packed_floor(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
-    """``packed-floor``: pack (one MPI call), chunked Allreduce with scaling, unpack (one MPI call)."""
-    if len({g.dtype for g in grads}) != 1:
-        m.skipped["packed-floor"] = "gradients of several dtypes"
-        return
-    buf = empty(sum(g.size for g in grads), grads[0].dtype, "cpu")  # as the reducer's buffers (huge pages)
-    local = MPI.COMM_SELF.Dup()
-    m.handles.append(local)
-    members = MPI.BYTE.Create_hindexed([g.nbytes for g in grads], [MPI.Get_address(g) for g in grads]).Commit()
-    m.handles.append(members)
-    step, scale = max(1, MIB // buf.itemsize), 1.0 / comm.Get_size()
-
-    def run() -> None:
-        local.Sendrecv([MPI.BOTTOM, 1, members], 0, 0, [buf, MPI.BYTE], 0, 0)
-        for first in range(0, buf.shape[0], step):
-            chunk = buf[first : first + step]
-            comm.Allreduce(MPI.IN_PLACE, chunk)
-            np.multiply(chunk, scale, out=chunk)
-        local.Sendrecv([buf, MPI.BYTE], 0, 0, [MPI.BOTTOM, 1, members], 0, 0)
-
-    m.messages["packed-floor"] = -(-buf.nbytes // MIB)
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    m.cases.append(Case("packed-floor", filler(grads, value), run, lambda: all_close(grads, mean)))
-
-
-def _shard_step(reducer: DistributedGradReducer, grads: list[np.ndarray], params: list[np.ndarray]) -> None:
-    """reduce_scatter, this rank's pieces into ``params``, allgather."""
-    shard = reducer.reduce_scatter(grads)
-    for piece in shard:
-        params[piece.index].reshape(-1)[piece.start : piece.stop] = piece.grad
-    shard.allgather(params)
-
-
-def _add_reducers(comm: MPI.Intracomm, grads: list[np.ndarray], methods: Sequence[str], m: _Methods) -> None:
-    """The numpy reducer methods."""
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    variants: tuple[tuple[str, dict[str, Any]], ...] = (
-        ("reducer", {}), ("reducer-novalidate", {"validate": "never"}),
-        ("reducer-deterministic", {"deterministic": True}))
-    for name, kwargs in variants:
-        if name in methods:
-            r = m.reducers[name] = DistributedGradReducer(grads, group=comm, **kwargs)
-            m.cases.append(Case(name, filler(grads, value), partial(r, grads), lambda: all_close(grads, mean)))
-    if "reducer-fp16" in methods:
-        _add_fp16(comm, grads, m)
-    if "reducer-views" in methods:
-        r = m.reducers["reducer-views"] = DistributedGradReducer(grads, group=comm)
-        views = r.allocate_grads()
-        m.cases.append(Case("reducer-views", filler(views, value), partial(r, views),
-                            partial(all_close, views, mean)))
-    if "reducer-fresh" in methods:
-        _add_fresh(comm, grads, m)
-    if "reducer-shard" in methods:
-        r = m.reducers["reducer-shard"] = DistributedGradReducer(grads, group=comm)
-        params = [np.empty_like(g) for g in grads]
-        m.cases.append(Case("reducer-shard", filler(grads, value), partial(_shard_step, r, grads, params),
-                            lambda: all_close(params, mean)))
-
-
-def _add_fp16(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
-    """``reducer-fp16``: the reducer with ``compression="fp16"``, where it takes the workload's dtypes."""
-    holder: dict[str, DistributedGradReducer] = {}
-    why = agree(comm, lambda: holder.setdefault("r", DistributedGradReducer(grads, group=comm, compression="fp16")))
-    if why is not None:  # a reducer built on some ranks only is left alone: freeing it could wait for the others
-        m.skipped["reducer-fp16"] = f"refused by the reducer: {why}"
-        return
-    r = m.reducers["reducer-fp16"] = holder["r"]
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    m.cases.append(Case("reducer-fp16", filler(grads, value), partial(r, grads), lambda: all_close(grads, mean)))
-
-
-def _add_fresh(comm: MPI.Intracomm, grads: list[np.ndarray], m: _Methods) -> None:
-    """``reducer-fresh``: every call with other arrays than the call before (two lists, in turn)."""
-    r = m.reducers["reducer-fresh"] = DistributedGradReducer(grads, group=comm)
-    lists = [[np.zeros_like(g) for g in grads], [np.zeros_like(g) for g in grads]]
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    turn = [0]
-
-    def prepare() -> None:
-        turn[0] ^= 1
-        filler(lists[turn[0]], value)()
-
-    m.cases.append(Case("reducer-fresh", prepare, lambda: r(lists[turn[0]]), lambda: all_close(lists[turn[0]], mean)))
-
-
-def _add_torch_reducer(comm: MPI.Intracomm, grads: list[np.ndarray], unsupported: str | None, m: _Methods) -> None:
-    """``reducer-torch``: torch tensors over ``grads``' memory, fed to a reducer built from them."""
-    if unsupported is not None:
-        m.skipped["reducer-torch"] = unsupported
-        return
-    import torch
-
-    tensors = [torch.from_numpy(g) for g in grads]
-    holder: dict[str, DistributedGradReducer] = {}
-    why = agree(comm, lambda: holder.setdefault("r", DistributedGradReducer(tensors, group=comm)))
-    if why is not None:
-        m.skipped["reducer-torch"] = f"not supported by this reducer (construction: {why})"
-        return
-    r = m.reducers["reducer-torch"] = holder["r"]
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    case = Case("reducer-torch", filler(grads, value), lambda: r(tensors), lambda: all_close(grads, mean))
-    kept, failed = keep_working(comm, [case])
-    m.cases.extend(kept)
-    if failed:
-        m.skipped["reducer-torch"] = f"not supported by this reducer (call: {failed['reducer-torch']})"
-
-
-def _workload_methods(comm: MPI.Intracomm, wl: Workload, grads: list[np.ndarray], methods: Sequence[str],
-                      gloo: Gloo | None, torch_unsupported: str | None, powersgd_rank: int = 4) -> _Methods:
-    """Every requested case of one workload; reducers are built here (collective)."""
-    m = _Methods()
-    value, mean = fill_value(comm), expected_sum(comm) / comm.Get_size()
-    try:
-        if "limit" in methods:
-            cases, m.limit_sizes = limit_cases(comm, wl.nbytes, LIMIT_CHUNKS)
-            m.cases.extend(cases)
-        if "per-tensor" in methods:
-            m.messages["per-tensor"] = wl.count
-            m.cases.append(Case("per-tensor", filler(grads, value), lambda: _per_tensor(comm, grads),
-                                lambda: all_close(grads, mean)))
-        if "packed-floor" in methods:
-            _add_packed_floor(comm, grads, m)
-        _add_reducers(comm, grads, methods, m)
-        if "reducer-torch" in methods:
-            _add_torch_reducer(comm, grads, torch_unsupported, m)
-        if "torch-gloo" in methods and gloo is not None:
-            run, m.messages["torch-gloo"] = gloo.ddp_like(grads)
-            m.cases.append(Case("torch-gloo", filler(grads, value), run, lambda: all_close(grads, mean)))
-        powersgd.add_cases(comm, grads, methods, powersgd_rank, gloo, m.cases, m.reducers, m.skipped, m.peers)
-    except BaseException:
-        m.free()
-        raise
-    for name, r in m.reducers.items():
-        m.messages[name] = len(r.buckets) * (2 if name == "reducer-shard" else 1)  # reduce-scatter + allgather
-    m.messages.pop("reducer-powersgd", None)  # its buckets are not all it sends: see its reducer_stats
-    return m
+__all__ = ["bench_workload", "format_workload", "main"]
 
 
 def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gloo: Gloo | None,
@@ -326,7 +95,7 @@ def bench_workload(comm: MPI.Intracomm, wl: Workload, methods: Sequence[str], gl
         ``methods`` (summaries, with ``ratio_to_limit``) and the derived figures.
     """
     grads = wl.arrays()
-    m = _workload_methods(comm, wl, grads, methods, gloo, torch_unsupported, powersgd_rank)
+    m = workload_methods(comm, wl, grads, methods, gloo, torch_unsupported, powersgd_rank)
     try:
         times = time_cases(comm, m.cases, reps, warmup, meter)
         sent = meter.per_call([c.name for c in m.cases]) if meter is not None else {}
@@ -365,7 +134,7 @@ def _network(wl: Workload, out: dict[str, Any], sent: dict[str, list[float]], st
     return figures(meter.hosts, wl.nbytes, link_rate, medians, sent, own)
 
 
-def _method_summaries(wl: Workload, results: dict[str, dict[str, Any]], m: _Methods,
+def _method_summaries(wl: Workload, results: dict[str, dict[str, Any]], m: Methods,
                       out: dict[str, Any]) -> dict[str, Any]:
     """Each method's summary, the limit being its fastest chunk size; records the limit's facts in ``out``."""
     methods_out: dict[str, Any] = {}
@@ -390,7 +159,7 @@ def _method_summaries(wl: Workload, results: dict[str, dict[str, Any]], m: _Meth
 def _ratios(times: dict[str, list[float]], results: dict[str, dict[str, Any]]) -> dict[str, float]:
     """Ratios of medians between pairs of methods that were both timed."""
     pairs = {"torch_over_reducer": ("reducer-torch", "reducer"),
-             "reducer_over_one_allreduce": ("reducer", _WHOLE),
+             "reducer_over_one_allreduce": ("reducer", WHOLE),
              "always_over_never": ("reducer", "reducer-novalidate"),
              "reducer_over_floor": ("reducer", "packed-floor"),
              "fresh_over_reducer": ("reducer-fresh", "reducer"),
@@ -435,70 +204,6 @@ def _local_validation_seconds(comm: MPI.Intracomm, wl: Workload, reps: int, warm
         never.free()
     cost = max(0.0, min(times["always"]) - min(times["never"]))
     return float(statistics.median(comm.allgather(cost)))
-
-
-# -- output -----------------------------------------------------------------------------
-
-
-def _method_line(method: str, m: dict[str, Any], res: dict[str, Any]) -> str:
-    ratio = f"{m['ratio_to_limit']:.2f}" if "ratio_to_limit" in m else "-"
-    notes = []
-    if method == "limit":
-        notes.append(f"chunk {m['chunk']}")
-    if method in res["messages"]:
-        notes.append(f"{res['messages'][method]} messages")
-    return (f"  {method:<20}{m['median_ms']:>11.2f}{m['min_ms']:>10.2f}{ratio:>9}{m['algbw_GBps']:>12.3f}"
-            f"{m['busbw_GBps']:>12.3f}  {', '.join(notes)}")
-
-
-def _derived_lines(name: str, res: dict[str, Any]) -> list[str]:
-    lines = []
-    if "torch_over_reducer" in res:
-        lines.append(f"  reducer-torch / reducer = {res['torch_over_reducer']:.2f} "
-                     f"(torch CPU tensors against numpy arrays, same memory)")
-    if "shard_over_reducer" in res:
-        lines.append(f"  reducer-shard / reducer = {res['shard_over_reducer']:.2f} "
-                     f"(reduce_scatter + allgather against the Allreduce of the same plan)")
-    if "deterministic_over_reducer" in res:
-        lines.append(f"  reducer-deterministic / reducer = {res['deterministic_over_reducer']:.2f} "
-                     f"(every element summed in rank order)")
-    if name == "small" and "reducer_over_one_allreduce" in res:
-        lines.append(f"  reducer / one Allreduce of all {res['bytes']} bytes = {res['reducer_over_one_allreduce']:.2f}")
-    if "reducer_over_floor" in res:
-        lines.append(f"  reducer / packed-floor = {res['reducer_over_floor']:.2f} "
-                     "(against the least a reducer that packs must do)")
-    if "fresh_over_reducer" in res:
-        lines.append(f"  reducer-fresh / reducer = {res['fresh_over_reducer']:.2f} "
-                     "(the first call after the arrays change, against the same arrays again)")
-    if name == "small" and "always_over_never" in res:
-        lines.append(f"  validate=\"always\" / validate=\"never\" = {res['always_over_never']:.2f}")
-    if "validation_cost_percent" in res:
-        lines.append(f"  validation cost: {noise_or(res['validation_cost_percent'], '.1f', '%')} of reducer "
-                     f"(median of the paired differences with reducer-novalidate); from its local part, the "
-                     f"overlap check, {res['validation_local_ms']:.2f} ms = {res['validation_estimate_percent']:.2f}% "
-                     "(the verdict rides in the first message)")
-    return lines
-
-
-def format_workload(name: str, res: dict[str, Any]) -> str:
-    """The table of one workload's results (what rank 0 prints)."""
-    lines = [
-        f"{name}: {res['tensors']} tensors, {bytes_label(res['bytes'])} ({'/'.join(res['dtypes'])}), "
-        f"{res['ranks']} ranks — {res['note']}",
-        f"  {'method':<20}{'median ms':>11}{'min ms':>10}{'x limit':>9}{'algbw GB/s':>12}{'busbw GB/s':>12}  notes",
-    ]
-    lines.extend(_method_line(method, m, res) for method, m in res["methods"].items())
-    lines.extend(f"  {method:<20}skipped: {why}" for method, why in res.get("skipped", {}).items())
-    if "limit_by_chunk" in res:
-        chunks = ", ".join(f"{size_label(v['chunk_bytes'])} {v['median_ms']:.2f}"
-                           for v in res["limit_by_chunk"].values())
-        lines.append(f"  limit by chunk (ms): {chunks}")
-    lines.extend(_derived_lines(name, res))
-    if "powersgd_rank" in res:
-        lines.extend(powersgd.format_lines(res))
-    if "network" in res:
-        lines.extend(network_lines(res["network"]))
-    return "\n".join(lines)
 
 
 # -- entry point ------------------------------------------------------------------------

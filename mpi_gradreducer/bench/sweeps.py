@@ -21,8 +21,8 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer, reducer as reducer_module
-from .._core import backend, transport
-from .._core.hosts import Hosts
+from .._core import backend
+from .._core.summers import Summers, allreduce
 from .._core.topology import Topology
 from .environment import huge_pages
 from .limit import chunked_allreduce, limit_cases
@@ -101,9 +101,9 @@ def sweep_buckets(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> 
 def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> dict[str, Any]:
     """The in-place transport at each of SWEEP_CHUNKS on the workload's tensors of >= DIRECT_BYTES.
 
-    This is what the reducer does with those tensors: ``transport.allreduce``
+    This is what the reducer does with those tensors: ``summers.allreduce``
     over each, chunked, a mean's large chunks summed by the reducer's summer
-    (:class:`~mpi_gradreducer._core.hosts.Hosts`: two levels across hosts), each
+    (:class:`~mpi_gradreducer._core.summers.Summers`: two levels across hosts), each
     chunk multiplied by ``1 / size`` while in cache. The same without the
     multiplication ("sum": one Allreduce a chunk) shows what the mean costs.
     """
@@ -113,12 +113,12 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
     big = [g for g in wl.arrays() if g.nbytes >= reducer_module.DIRECT_BYTES and g.dtype == np.float32]
     flats = [g.reshape(-1) for g in big]
 
-    hosts = Hosts(comm, Topology.of(comm))
-    summers = {c: hosts.ordered_sum(np.float32, c) for c in SWEEP_CHUNKS}
+    made = Summers(comm, Topology.of(comm))
+    summers = {c: made.ordered(np.float32, c) for c in SWEEP_CHUNKS}
 
     def run(chunk: int, scale: float) -> None:
         for f in flats:
-            transport.allreduce(comm, f, scale, chunk_bytes=chunk, ordered=summers[chunk])
+            allreduce(comm, f, scale, chunk_bytes=chunk, ordered=summers[chunk])
 
     cases = []
     for c in SWEEP_CHUNKS:
@@ -126,7 +126,7 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
             cases.append(Case(f"{kind}@{size_label(c)}", filler(flats, value),
                               partial(run, c, scale), partial(all_close, flats, total * scale)))
     times = time_cases(comm, cases, reps, warmup)
-    hosts.free()
+    made.free()
     nbytes = sum(f.nbytes for f in flats)
     rows = []
     for c in SWEEP_CHUNKS:
@@ -193,7 +193,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
 
     def packed_run(buf: np.ndarray, views: list[np.ndarray], members: list[np.ndarray]) -> None:
         np.concatenate([g.reshape(-1) for g in members], out=buf)
-        transport.allreduce(comm, buf, 1.0)
+        allreduce(comm, buf, 1.0)
         for v, g in zip(views, members, strict=True):
             np.multiply(v, scale, out=g)
 
@@ -220,7 +220,7 @@ def sweep_direct(comm: MPI.Intracomm, reps: int, warmup: int, base_count: int = 
         def alone(b: np.ndarray = buf2, v: list[np.ndarray] = views2, m: list[np.ndarray] = base2,
                   t: np.ndarray = tensor2) -> None:
             packed_run(b, v, m)
-            transport.allreduce(comm, t, scale)
+            allreduce(comm, t, scale)
 
         cases.append(Case(f"alone@{size_label(nbytes)}", filler(base2 + [tensor2], value), alone,
                           partial(all_close, base2 + [tensor2], mean)))

@@ -21,6 +21,7 @@ collectives on tensors), :mod:`.optimizer` (``DistributedOptimizer``),
 :mod:`.process_sets` (the global one only) and :mod:`.unsupported`.
 """
 
+from . import elastic
 from .collectives import (
     allgather,
     allgather_async,
@@ -70,14 +71,13 @@ from .context import (
     shutdown,
     size,
 )
+from .elastic import HorovodInternalError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .unsupported import (
-    HorovodInternalError,
     SyncBatchNorm,
-    elastic,
     run,
     sparse_allreduce_async,
     start_timeline,
@@ -86,7 +86,7 @@ from .unsupported import (
 
 #: Names that exist for compatibility but raise ``NotImplementedError`` (``ProcessSet``: when constructed;
 #: ``Adasum``: when used).
-UNSUPPORTED = ("Adasum", "ProcessSet", "SyncBatchNorm", "add_process_set", "elastic", "remove_process_set", "run",
+UNSUPPORTED = ("Adasum", "ProcessSet", "SyncBatchNorm", "add_process_set", "remove_process_set", "run",
                "sparse_allreduce_async", "start_timeline", "stop_timeline")
 
 __all__ = [

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._core.compression import compressed_allreduce, half_format
+from .._core.halves import compressed_allreduce
+from .._core.wire import half_format
 from .context import current
+from .elastic import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import check_global, global_process_set
 
@@ -66,7 +68,8 @@ def exchange(comm: MPI.Intracomm, row: tuple[Any, ...]) -> list[tuple[Any, ...]]
             exception becomes a ``RuntimeError`` with its message, on that
             rank too: every rank raises the same).
     """
-    rows = comm.allgather(row)
+    with internal_errors():  # a lost rank: Horovod's error
+        rows = comm.allgather(row)
     for r, other in enumerate(rows):
         if other[0] == "error":
             raise _ERRORS.get(other[1], RuntimeError)(f"rank {r}: {other[2]}")

@@ -22,6 +22,7 @@ from .. import torch as mgr_torch
 from .._core.options import Options
 from .collectives import raise_everywhere
 from .context import current
+from .elastic import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import check_global, global_process_set
 
@@ -117,6 +118,11 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
             raise ValueError("set_backward_passes_per_step: backward ran since the last step(); call it between "
                              "steps")
         self.passes = passes
+
+    def synchronize(self) -> None:
+        """Finish the reduction (collective); a lost rank raises :class:`HorovodInternalError`, as in Horovod."""
+        with internal_errors():
+            super().synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; between ``backward()`` and ``step()`` it raises on every rank.

@@ -4,16 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NoReturn
 
-__all__ = ["HorovodInternalError", "SyncBatchNorm", "sparse_allreduce_async", "start_timeline", "stop_timeline",
-           "run", "elastic"]
-
-
-class HorovodInternalError(RuntimeError):
-    """Horovod's error for a failed collective; exported so that ``except hvd.HorovodInternalError`` works.
-
-    Never raised here: a failed collective raises ``ValueError``,
-    ``TypeError`` or ``RuntimeError`` on every rank, or MPI aborts the job.
-    """
+__all__ = ["SyncBatchNorm", "sparse_allreduce_async", "start_timeline", "stop_timeline", "run"]
 
 
 def _refuse(name: str, instead: str) -> NoReturn:
@@ -67,19 +58,3 @@ def run(*args: Any, **kwargs: Any) -> NoReturn:
         NotImplementedError: always.
     """
     _refuse("horovod.run (and horovodrun)", "start the script with mpiexec: mpiexec -n 4 python -m mpi4py train.py")
-
-
-class _Elastic:
-    """``hvd.elastic``: any attribute raises."""
-
-    def __getattr__(self, attribute: str) -> NoReturn:
-        if attribute.startswith("__"):
-            raise AttributeError(attribute)
-        _refuse(f"hvd.elastic.{attribute}", "elastic training (ranks joining and leaving) has no MPI-only "
-                                            "equivalent here; restart the job with mpiexec from a checkpoint")
-
-    def __repr__(self) -> str:
-        return "<hvd.elastic: not supported>"
-
-
-elastic = _Elastic()

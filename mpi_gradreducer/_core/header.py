@@ -1,4 +1,4 @@
-"""The call header: what every rank says about a call, carried with the data the call sends anyway.
+"""The call header: what every rank says about a call, and the one verdict every rank reads from it.
 
 Each rank contributes a few small integers to every call: whether its input is
 valid, whether it contributes data (a rank that has called ``join()`` does
@@ -24,7 +24,9 @@ rank) do the ranks :func:`settle` the call with one more exchange, which
 names the ranks and tells every rank the call's structure. No rank modifies a
 caller's array before that. Where the first message cannot carry the header
 (device or 16-bit buffers, or too many ranks for exact float32 sums), it
-travels alone (:func:`exchange`).
+travels alone (:func:`exchange`). The verdict is returned to whoever sent the
+header (:class:`~mpi_gradreducer._core.call.FirstMessage`): nothing here knows
+the reducer.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Summary(NamedTuple):
         agree = (contributors * v[9] == v[6] * v[6] and contributors * v[10] == v[7] * v[7]
                  and contributors * v[11] == v[8] * v[8])  # digests in slots 6-8, their squares in 9-11
         v[6] = agree  # failed, contributors, attention, views, asynchronous, sharded, agree
-        return cls._make(v[:7])
+        return cls(*v[:7])
 
     def healthy(self, size: int) -> bool:
         """Every rank valid, contributing, starting the call the same way, with the same structure, no None."""
@@ -170,7 +172,7 @@ def exchange(comm: MPI.Intracomm, local: Local) -> Summary:
     return Summary.of(buf)
 
 
-def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> CallInfo:
+def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int, healthy: bool | None = None) -> CallInfo:
     """The call's structure on every rank; raises on every rank when a rank's input is bad.
 
     Free when the summary is healthy; otherwise one ``Allgather`` of every
@@ -181,6 +183,7 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
         local: this rank's header.
         summary: the summed header.
         count: the number of parameters.
+        healthy: ``summary.healthy(size)``, where the caller knows it already.
 
     Raises:
         ValueError, TypeError: the failing rank's error, or a disagreement
@@ -189,7 +192,7 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
     """
     size = comm.Get_size()
     runs, asynchronous, sharded = summary.views == size, summary.asynchronous > 0, summary.sharded > 0
-    if summary.healthy(size):
+    if summary.healthy(size) if healthy is None else healthy:
         return CallInfo(size, local.sparse, runs=runs, asynchronous=asynchronous, sharded=sharded)
     if summary.failed:
         agreement.raise_if_any(comm, local.error)
@@ -237,11 +240,12 @@ def settle(comm: MPI.Intracomm, local: Local, summary: Summary, count: int) -> C
 
 
 #: Packers of a few 64-bit little-endian integers (a call without RowSparse entries digests two).
-_PACKERS = [struct.Struct(f"<{n}q") for n in range(8)]
+_FEW = 8
+_PACKERS = [struct.Struct(f"<{n}q") for n in range(_FEW)]
 
 
 def _digests(values: Sequence[int]) -> tuple[int, int, int]:
     """Three 8-bit digests of ``values``: bytes of the CRC-32 of their 64-bit little-endian form."""
-    d = zlib.crc32(_PACKERS[len(values)].pack(*values) if len(values) < len(_PACKERS)
-                   else struct.pack(f"<{len(values)}q", *values))
+    n = len(values)
+    d = zlib.crc32(_PACKERS[n].pack(*values) if n < _FEW else struct.pack(f"<{n}q", *values))
     return d & 0xFF, (d >> 8) & 0xFF, (d >> 16) & 0xFF

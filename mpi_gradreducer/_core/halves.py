@@ -1,245 +1,35 @@
-"""Wire compression: send float32/float64 gradients as 16-bit floats.
+"""16-bit sums: buffers of 16-bit floats summed in float32, each rank one slice; float32 sent as 16 bits.
 
-A :class:`Compression` is a small strategy in the manner of Horovod's
-``Compressor``: :func:`pack` casts (and pre-scales) a gradient into a 16-bit
-wire buffer, :func:`compressed_allreduce` sums the wire buffer across ranks,
-:func:`unpack` casts (and post-scales) it back into the gradient::
-
-    comp = get_compression("fp16")
-    pre, post = comp.scales(size=comm.Get_size(), degree=degree, mean=True)
-    pack(grad, wire, pre)                   # wire = grad * pre, as float16
-    compressed_allreduce(comm, wire, comp)  # wire = sum over ranks
-    unpack(wire, grad, post)                # grad = wire * post, as float32
-    comp.free()
-
-MPI has no half-precision sum. By default (``method="alltoall"``) each rank
-receives every rank's share of one slice of the buffer, adds them in float32
-in rank order and rounds once, and the slices are shared again: each element
-is the float32 sum rounded to the wire format, whatever the number of ranks.
-``method="allreduce"`` instead hands MPI :meth:`Compression.op`, a
-user-defined reduction that adds two wire buffers in float32 and rounds back,
-so every level of MPI's reduction tree rounds. Each :class:`Compression` owns
-at most one such op, created on first use and released by
-:meth:`Compression.free` (mpi4py allows only a few dozen live user-defined
-ops per process, so free the ones you no longer need).
+MPI has no half-precision sum. :class:`SliceSum` gives each rank one slice of
+a 16-bit chunk from every rank (``Alltoall``), adds them in float32 in rank
+order, rounds once, and shares the slices again (``Allgather``): every
+element is the correctly rounded float32 sum, whatever the number of ranks.
+:class:`CastSum` sends a float32/float64 chunk through it as 16 bits, cast
+where it lies, in pieces that travel while the next is cast. The reducer's
+:class:`~mpi_gradreducer._core.summers.Summers` makes them; the casts are the
+wire format's (:mod:`~mpi_gradreducer._core.wire`).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from . import transport
-from .dtypes import scaled_copy
+from .transport import CHUNK_BYTES, Exchange
+from .wire import Compression, pack, unpack
 
-__all__ = [
-    "COMPRESSIONS",
-    "CastSum",
-    "Compression",
-    "SliceSum",
-    "compressed_allreduce",
-    "get_compression",
-    "half_format",
-    "pack",
-    "unpack",
-]
-
-#: The accepted compression names (besides None, no compression).
-COMPRESSIONS = ("fp16", "bf16")
-
-_COMPRESSIBLE = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-@dataclass(frozen=True)
-class Compression:
-    """One wire format: its name, its 16-bit dtype and the MPI op that sums it.
-
-    Create instances with :func:`get_compression`.
-
-    Attributes:
-        name: ``"fp16"`` or ``"bf16"``.
-        wire_dtype: ``float16`` or ``ml_dtypes.bfloat16``.
-    """
-
-    name: str
-    wire_dtype: np.dtype
-    _op: MPI.Op | None = field(default=None, init=False, repr=False, compare=False)
-
-    def applies_to(self, dtype: Any) -> bool:
-        """Whether gradients of ``dtype`` are compressed (float32 and float64 only).
-
-        Complex, half-precision and integer gradients travel uncompressed.
-        """
-        try:
-            return np.dtype(dtype) in _COMPRESSIBLE
-        except TypeError:
-            return False
-
-    def default_predivide(self, size: int) -> float:
-        """The pre-division factor used when none is given.
-
-        float16 overflows above 65504, so each rank's values are divided by the
-        number of ranks before the sum: the sum of ``size`` such terms is then
-        no larger in magnitude than the largest input, and cannot overflow.
-        bfloat16 has float32's exponent range, so nothing is divided.
-
-        Args:
-            size: number of ranks taking part in the sum.
-
-        Returns:
-            ``size`` for fp16, 1.0 for bf16.
-        """
-        return float(size) if self.name == "fp16" else 1.0
-
-    def scales(
-        self, size: int, degree: int = 1, mean: bool = False, predivide: float | None = None
-    ) -> tuple[float, float]:
-        """Factors for :func:`pack` and :func:`unpack` (Horovod's pre/post-scaling).
-
-        The sum of ``x * prescale`` over the ranks, times ``postscale``, is the
-        requested result: the sum of ``x``, or the sum divided by ``degree``.
-
-        Args:
-            size: number of ranks taking part in the sum.
-            degree: divisor of the mean.
-            mean: divide the sum by ``degree``.
-            predivide: the pre-division factor ``f`` (Horovod's and DeepSpeed's
-                ``gradient_predivide_factor``); None: :meth:`default_predivide`.
-                A larger ``f`` guards against overflow of the half-precision
-                sum, a smaller one against underflow of small gradients.
-
-        Returns:
-            ``(1 / f, f / degree)`` for a mean, ``(1 / f, f)`` for a sum.
-
-        Raises:
-            ValueError: ``predivide``, ``size`` or ``degree`` is not positive
-                (``predivide`` also: not finite).
-        """
-        f = self.default_predivide(size) if predivide is None else predivide
-        if isinstance(f, bool) or not isinstance(f, (int, float, np.integer, np.floating)) \
-                or not 0 < f < float("inf"):
-            raise ValueError(f"predivide: expected a positive finite number, got {predivide!r}")
-        if not size > 0 or not degree > 0:
-            raise ValueError(f"size and degree: expected positive ints, got {size!r} and {degree!r}")
-        f = float(f)
-        return 1.0 / f, (f / degree if mean else f)
-
-    def mpi_datatype(self) -> MPI.Datatype:
-        """The datatype that describes a wire buffer to MPI: 2-byte unsigned ints.
-
-        The bits are reinterpreted as :attr:`wire_dtype` inside :meth:`op`;
-        this is also what mpi4py infers for ``wire.view(numpy.uint16)``.
-        """
-        return MPI.UNSIGNED_SHORT
-
-    def op(self) -> MPI.Op:
-        """The commutative MPI op that sums wire buffers in float32.
-
-        Created on the first call and reused until :meth:`free`.
-        """
-        op = self._op
-        if op is None:
-            op = MPI.Op.Create(self._sum, commute=True)
-            object.__setattr__(self, "_op", op)
-        return op
-
-    def free(self) -> None:
-        """Release the MPI op, if one was created (not collective)."""
-        if self._op is not None:
-            op = self._op
-            object.__setattr__(self, "_op", None)
-            op.Free()
-
-    def _sum(self, inbuf: Any, inoutbuf: Any, datatype: MPI.Datatype) -> None:
-        # Buffers arrive as raw bytes. The ufunc reads both operands as float32
-        # and casts the sum back in its own chunked loop: no temporaries.
-        a = np.frombuffer(inbuf, dtype=self.wire_dtype)
-        b = np.frombuffer(inoutbuf, dtype=self.wire_dtype)
-        with np.errstate(over="ignore"):  # an overflow becomes inf, as a native sum would
-            np.add(a, b, out=b, dtype=np.float32, casting="unsafe")
-
-
-@overload
-def get_compression(name: None) -> None: ...
-
-
-@overload
-def get_compression(name: str) -> Compression: ...
-
-
-def get_compression(name: str | None) -> Compression | None:
-    """The compression called ``name``, a new instance on each call.
-
-    Args:
-        name: None (no compression), ``"fp16"`` or ``"bf16"``.
-
-    Returns:
-        None for None, else a :class:`Compression` (free it when done).
-
-    Raises:
-        ValueError: ``name`` is not one of the accepted names.
-        ImportError: ``"bf16"`` without ``ml_dtypes`` installed.
-    """
-    if name is None:
-        return None
-    if name == "fp16":
-        return Compression("fp16", np.dtype(np.float16))
-    if name == "bf16":
-        try:
-            import ml_dtypes
-        except ImportError as exc:
-            raise ImportError(
-                "compression='bf16' needs the ml_dtypes package: pip install ml_dtypes "
-                "(or mpi_gradreducer[bf16])"
-            ) from exc
-        return Compression("bf16", np.dtype(ml_dtypes.bfloat16))
-    raise ValueError(
-        f"compression: expected None or one of {', '.join(repr(n) for n in COMPRESSIONS)}, got {name!r}"
-    )
-
-
-def half_format(dtype: Any) -> Compression:
-    """The 16-bit format of ``dtype`` (float16 or bfloat16), to sum such buffers with :class:`SliceSum`."""
-    dtype = np.dtype(dtype)
-    return Compression("fp16" if dtype == np.float16 else "bf16", dtype)
-
-
-def pack(src: Any, wire_view: Any, prescale: float = 1.0) -> None:
-    """Write ``src * prescale`` into ``wire_view``, cast to the wire dtype, in one pass.
-
-    The product is formed in ``src``'s precision and rounded once to the wire
-    dtype. Values beyond the wire format's range become infinities.
-
-    Args:
-        src: a float32 or float64 array (any layout).
-        wire_view: a writeable wire-dtype array of ``src``'s shape, or 1-D
-            with ``src.size`` elements.
-        prescale: the factor (1.0: a plain cast).
-    """
-    scaled_copy(src, wire_view, prescale, src.dtype)
-
-
-def unpack(wire_view: Any, dst: Any, postscale: float = 1.0) -> None:
-    """Write ``wire_view * postscale`` into ``dst``, computed in ``dst``'s precision.
-
-    Args:
-        wire_view: the reduced wire buffer (``dst``'s shape, or 1-D).
-        dst: the float32 or float64 gradient to overwrite (any layout).
-        postscale: the factor (1.0: a plain cast).
-    """
-    scaled_copy(wire_view.reshape(dst.shape), dst, postscale, dst.dtype)
+__all__ = ["CAST_PIECES", "CastSum", "SliceSum", "compressed_allreduce"]
 
 
 def compressed_allreduce(
     comm: MPI.Comm,
     wire_buf: Any,
     compression: Compression,
-    chunk_bytes: int = transport.CHUNK_BYTES,
+    chunk_bytes: int = CHUNK_BYTES,
     *,
     method: str = "alltoall",
     after: Callable[[Any], None] | None = None,
@@ -312,7 +102,7 @@ class SliceSum:
     and bfloat16 gradients, whether they are compressed float32 ones or
     half-precision ones of their own.
 
-    Two levels (``across``), as :class:`~mpi_gradreducer._core.transport.OrderedSum`
+    Two levels (``across``), as :class:`~mpi_gradreducer._core.summers.OrderedSum`
     has them: ``comm`` holds the ranks of one host; each rank rounds its
     block's sum over the host to 16 bits, ``across`` sums the hosts' in
     float32 and rounds again, and the blocks are shared on the host. Each
@@ -326,7 +116,7 @@ class SliceSum:
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)) or chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes: expected a positive int, got {chunk_bytes!r}")
         self.comm = comm
-        self._moves = transport.Exchange(comm, wait)  # wait: see transport.Exchange
+        self._moves = Exchange(comm, wait)  # wait: see transport.Exchange
         self.across = across
         self.compression = compression
         self.method = method
@@ -490,36 +280,35 @@ class SliceSum:
 class CastSum:
     """Sums float32/float64 chunks as 16-bit floats with ``summer``: cast, :class:`SliceSum`, cast back.
 
-    What crosses hosts where compression applies only there
-    (:meth:`~mpi_gradreducer._core.hosts.Hosts.ordered_sum`). In two levels it is
-    the level across hosts: each host's ranks sum their gradients as they
-    are, over shared memory, and only each host's sum crosses the links,
-    divided by ``predivide`` and rounded once to 16 bits, where the hosts'
-    sums are added in float32 and rounded again; each rank casts 1/(ranks per
-    host) of the gradient each way. With one rank on each host ``summer``
-    spans all the ranks, and each rank's chunk is cast where it lies. Either
-    way each host sends half the bytes of the uncompressed sum, and a chunk
-    goes in :data:`CAST_PIECES` pieces, each cast while the one before
-    travels (:meth:`SliceSum.pipelined`).
+    Each rank's chunk is divided by ``predivide``, rounded once to 16 bits
+    where it lies, summed in float32 by ``summer`` and cast back, multiplied
+    by ``predivide`` and the scale. In two levels it is the level across
+    hosts (:meth:`Summers.cast`): each host's ranks sum their gradients as they
+    are, over shared memory, and only each host's sum crosses the links; each
+    rank casts 1/(ranks per host) of the chunk each way. A chunk goes in
+    ``pieces`` pieces, each cast while the one before travels
+    (:meth:`SliceSum.pipelined`); the bits do not depend on the pieces.
 
     Args:
-        summer: the 16-bit summer of the ranks with the same place on every host.
+        summer: a flat 16-bit summer of the default method.
         dtype: the chunks' dtype (float32 or float64).
-        predivide: each host's sum is divided by it before the cast (see
+        predivide: each chunk is divided by it before the cast (see
             ``Compression.scales``), and the result multiplied back.
+        pieces: pieces of a chunk in flight at once (:data:`CAST_PIECES` across hosts).
     """
 
-    def __init__(self, summer: SliceSum, dtype: Any, predivide: float) -> None:
+    def __init__(self, summer: SliceSum, dtype: Any, predivide: float, pieces: int = CAST_PIECES) -> None:
         if summer.across is not None or summer.method != "alltoall":
             raise ValueError("summer: expected a flat SliceSum of the default method")
-        self.summer, self.dtype = summer, np.dtype(dtype)
+        self.summer, self.dtype, self.pieces = summer, np.dtype(dtype), pieces
         self.pre, self.post = 1.0 / predivide, float(predivide)
-        self._wire = np.empty(0, summer.compression.wire_dtype)
+        self.wire_dtype = summer.compression.wire_dtype
+        self._wire = np.empty(0, self.wire_dtype)
 
     def __call__(self, chunk: Any, scale: float = 1.0) -> int:
         """Sum ``chunk`` (of :attr:`dtype`) across ranks in place, times ``scale``; returns the collectives made."""
         assert chunk.dtype == self.dtype, (chunk.dtype, self.dtype)
         n = chunk.shape[0]
         if self._wire.shape[0] < n:
-            self._wire = np.empty(n, self.summer.compression.wire_dtype)
-        return self.summer.pipelined(chunk, self._wire[:n], self.pre, self.post * scale, CAST_PIECES)
+            self._wire = np.empty(n, self.wire_dtype)
+        return self.summer.pipelined(chunk, self._wire[:n], self.pre, self.post * scale, self.pieces)

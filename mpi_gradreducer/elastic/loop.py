@@ -1,0 +1,110 @@
+"""The run loop: call the training function; on a lost rank, recover and call it again from the last commit."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from . import _ulfm
+from .discovery import Discovery
+from .errors import HostsUpdated, RanksLost
+from .state import State
+from .world import Settings
+
+__all__ = ["run"]
+
+def run(func: Callable[..., Any] | None = None, *, discovery: Discovery | None = None, min_size: int | None = None,
+        max_size: int | None = None, timeout: float | None = None,
+        failure: Callable[[BaseException], bool] | None = None) -> Any:
+    """Make ``func(state, ...)`` survive lost ranks and take in new ones (a decorator, with or without options).
+
+    The wrapped function is called with the state first. Before the call,
+    every rank takes the newest commit (``state.sync()``). When a rank is
+    lost while it runs, on every survivor: the MPI error is caught, the
+    state goes back to its last commit, the communicators are revoked and
+    shrunk to the survivors, the reducers and optimizers that the state
+    tracks are rebuilt on the new communicator with their own options,
+    the state is taken from the lowest rank that holds the newest commit,
+    the reset callbacks run, and ``func`` is called again. When a commit
+    finds new ranks ready (started in free slots that the discovery lists),
+    they join the same way, without a restore. A process started as a
+    replacement joins the running ranks on entering the wrapped function.
+
+    Where MPI cannot survive a lost process (not Open MPI 5 with ``mpiexec
+    --with-ft ulfm``), rank 0 says so once, naming the fix, and a lost rank
+    ends the job as without elastic mode.
+
+    Args:
+        func: the training function, ``func(state, *args, **kwargs)``.
+        discovery: where new ranks may start (default: the environment's
+            ``MPI_GRADREDUCER_ELASTIC_DISCOVERY`` or ``..._HOSTFILE``; none: never).
+        min_size: with fewer ranks left, wait for replacements up to
+            ``timeout``, then raise :class:`~.errors.ElasticError` on every
+            rank (default ``MPI_GRADREDUCER_ELASTIC_MIN_SIZE``, else 1).
+        max_size: never grow beyond this (default ``..._MAX_SIZE``, else what the discovery lists).
+        timeout: seconds to wait below ``min_size`` (default ``..._TIMEOUT``, else 600).
+        failure: also treat an exception for which this returns True as a
+            failure to recover from (Horovod's ``HorovodInternalError``).
+
+    Returns:
+        The wrapped function (or a decorator, when called with options only).
+    """
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+            return _loop(fn, state, args, kwargs, Settings(discovery, min_size, max_size, timeout), failure)
+
+        return wrapper
+
+    return decorate if func is None else decorate(func)
+
+
+def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: dict[str, Any], settings: Settings,
+          failure: Callable[[BaseException], bool] | None) -> Any:
+    world = state.world
+    world.settings = settings
+    why = _ulfm.why_no_ulfm()
+    if why is not None and world.comm.Get_rank() == 0:
+        _say(f"mpi_gradreducer.elastic: a lost rank will end this job: {why}.")
+    reset = world.join_if_new()
+    sync = True
+    while True:
+        try:
+            if sync:
+                state.sync()
+            if reset:
+                state.on_reset()
+            result = fn(state, *args, **kwargs)
+            if not world.settle():
+                return result
+            sync = True
+        except HostsUpdated as exc:
+            if why is not None:
+                raise
+            sync = not exc.skip_sync
+            t0 = time.perf_counter()
+            before = world.comm.Get_size()
+            world.grow()
+            if world.comm.Get_rank() == 0:
+                _say(f"mpi_gradreducer.elastic: {world.comm.Get_size() - before} new rank(s) joined; "
+                     f"{world.comm.Get_size()} ranks go on from the commit of {state.commits} "
+                     f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
+        except BaseException as exc:
+            if why is not None or not (_ulfm.failure_of(exc) is not None or isinstance(exc, RanksLost)
+                                       or (failure is not None and failure(exc))):
+                raise
+            state.restore()
+            state.failure = world.recover(exc)
+            sync = True
+            if world.comm.Get_rank() == 0:
+                _say(f"mpi_gradreducer.elastic: {state.failure} ({world.recovery_seconds:.2f} s to shrink and "
+                     "rebuild)")
+        reset = True
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()

@@ -1,0 +1,467 @@
+"""The ranks training now, and what changes with them: shrink after a loss, spawn and merge to grow back.
+
+A :class:`World` owns the communicator of the ranks training now and the
+objects that must be rebuilt on each new one (reducers, optimizers, a
+Horovod context). On a lost rank it revokes every communicator that any of
+them made, so that no survivor stays blocked with live peers, shrinks its
+own to the survivors and rebuilds the objects on it. When a host discovery
+script or host file lists room for more ranks, it starts them in the
+background (``Spawn`` from the survivors); they run the script from its top
+and wait at the start of the run loop, and at the next commit on which every
+rank sees them started, the two sides merge into one communicator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _ulfm
+from .discovery import Discovery, placement
+from .errors import ElasticError, HostsUpdated, RanksLost
+from .rebuild import Rebuildable, adapter_for
+
+__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "Settings", "World"]
+
+MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
+MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
+TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
+#: How long the survivors wait for room below the minimum size, by default (Horovod's elastic timeout).
+DEFAULT_TIMEOUT = 600.0
+#: After this many failed starts of new ranks, the job stops trying (it goes on with the ranks it has).
+MAX_FAILED_SPAWNS = 3
+#: How long MPI_Finalize may take, at exit, in a process that lived through a change of ranks.
+FINALIZE_SECONDS = 10.0
+#: How often rank 0 looks at the discovery script or host file while training.
+LOOK_EVERY = 1.0
+
+
+class Settings:
+    """How elastic the job is: the discovery, the minimum and maximum size, and the wait below the minimum.
+
+    Args:
+        discovery: where new ranks may start (default: from the environment).
+        min_size: below this many ranks the survivors wait for replacements (default 1).
+        max_size: never more ranks than this (default: what the discovery lists).
+        timeout: seconds to wait below ``min_size`` before giving up.
+
+    Raises:
+        ValueError: a size or the timeout is not positive, or ``min_size > max_size``.
+    """
+
+    def __init__(self, discovery: Discovery | None = None, min_size: int | None = None,
+                 max_size: int | None = None, timeout: float | None = None) -> None:
+        self.discovery = Discovery.from_env() if discovery is None else discovery
+        self.min_size = _positive("min_size", min_size, MIN_SIZE_ENV, 1, int)
+        self.max_size = _positive("max_size", max_size, MAX_SIZE_ENV, None, int)
+        self.timeout = _positive("timeout", timeout, TIMEOUT_ENV, DEFAULT_TIMEOUT, float)
+        if self.max_size is not None and self.min_size > self.max_size:
+            raise ValueError(f"min_size={self.min_size} is larger than max_size={self.max_size}")
+
+
+def _positive(name: str, value: Any, env: str, default: Any, kind: type) -> Any:
+    if value is None:
+        text = os.environ.get(env)
+        if text is None:
+            return default
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        name = f"{env}={text!r}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name}: expected a positive {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+class World:
+    """The communicator of the ranks training now, and the objects rebuilt on each new one.
+
+    Construction is collective over ``comm`` (duplicated).
+
+    Args:
+        comm: the ranks; default ``MPI.COMM_WORLD``.
+        interrupt: the error raised at a commit when new ranks are ready.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None = None, interrupt: type[HostsUpdated] = HostsUpdated) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.comm: MPI.Intracomm = _ulfm.returning(base.Dup())  # type: ignore[assignment]
+        self.interrupt = interrupt
+        self.settings = Settings()
+        self._tracked: list[Rebuildable] = []
+        self._spawner: _Spawner | None = None
+        self._look: _Look | None = None
+        self._pending: tuple[MPI.Request, np.ndarray, bool] | None = None
+        self._failed_spawns = 0
+        self._joined = False
+        self._guarded = False
+        #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
+        self.recovery_seconds = 0.0
+
+    # -- objects rebuilt on each new communicator ---------------------------------------------
+
+    def track(self, obj: Any) -> None:
+        """Rebuild ``obj`` on every new communicator, after the objects tracked before it."""
+        self._tracked.append(adapter_for(obj))
+
+    def communicators(self) -> Iterator[MPI.Comm]:
+        """Every communicator that a failure must revoke: this world's and every tracked object's."""
+        yield self.comm
+        for t in self._tracked:
+            yield from t.communicators()
+        if self._spawner is not None:
+            yield self._spawner.comm
+
+    def rebuild(self) -> None:
+        """Rebuild every tracked object on ``comm`` (collective), in the order tracked."""
+        for t in self._tracked:
+            t.rebuild(self.comm)
+
+    # -- the run loop's steps ---------------------------------------------------------------------
+
+    def join_if_new(self) -> bool:
+        """In a process started as a replacement: merge with the running ranks and rebuild (collective).
+
+        Returns:
+            Whether this process has just joined.
+        """
+        parent = MPI.Comm.Get_parent()
+        if self._joined or parent == MPI.COMM_NULL:
+            return False
+        self._joined = True
+        self._guard_exit()
+        _ulfm.returning(parent)
+        merged = parent.Merge(high=True)
+        parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
+        self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
+        self.rebuild()
+        return True
+
+    def newest(self, commits: int) -> int:
+        """The lowest rank among those with the most commits (collective)."""
+        counts = self.comm.allgather(int(commits))
+        return int(np.argmax(counts))
+
+    def recover(self, error: BaseException) -> RanksLost:
+        """After a lost rank: revoke, shrink to the survivors, rebuild; grow back if there is room (collective).
+
+        Args:
+            error: what this rank caught.
+
+        Returns:
+            The loss, as every survivor names it.
+
+        Raises:
+            ElasticError: fewer than ``min_size`` ranks are left and no room came within the timeout.
+        """
+        t0 = time.perf_counter()
+        self._guard_exit()
+        failure = _ulfm.failure_of(error)
+        where = failure.Get_error_string() if failure is not None else f"{type(error).__name__}: {error}"
+        _ulfm.revoke(self.communicators())
+        self._drop_background()
+        old = self.comm
+        new = _ulfm.shrink(old)
+        lost = RanksLost(_ulfm.lost_ranks(old, new), old.Get_size(), new.Get_size(), where)
+        self._replace(new)
+        if self.comm.Get_size() < self.settings.min_size:
+            self._wait_for_room()
+        self.rebuild()
+        if self.settings.discovery.configured and self._failed_spawns < MAX_FAILED_SPAWNS:
+            self._start_spawn(None)  # replacements start now, on a thread; they join at a commit
+        self.recovery_seconds = time.perf_counter() - t0
+        return lost
+
+    def grow(self) -> None:
+        """Take in the ranks that the background spawn started (collective over both sides), and rebuild."""
+        self._merge()
+        self.rebuild()
+
+    def _merge(self) -> None:
+        self._guard_exit()
+        spawner, self._spawner = self._spawner, None
+        assert spawner is not None and spawner.inter is not None
+        merged = spawner.inter.Merge(high=False)
+        spawner.free()
+        self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
+
+    def check_host_updates(self) -> None:
+        """At a commit: start new ranks where the discovery lists room, raise ``interrupt`` once they are up.
+
+        Every rank reaches the same decision: each commit completes the small
+        nonblocking reduction that the commit before started (rank 0's look
+        at the discovery, and whether each rank's spawn has finished).
+        """
+        if not self.settings.discovery.configured and self._spawner is None:
+            return
+        verdict, spawned_before = None, False
+        if self._pending is not None:
+            request, values, spawned_before = self._pending
+            request.Wait()
+            self._pending = None
+            verdict = values
+        if self.comm.Get_rank() == 0 and self._look is None and self.settings.discovery.configured:
+            self._look = _Look(self.settings.discovery)
+        elif self.comm.Get_rank() != 0 and self._look is not None:  # rank 0 is another process now
+            self._look.stop.set()
+            self._look = None
+        capacity = self._look.capacity if self._look is not None else 0
+        spawning = self._spawner is not None and not self._spawner.done.is_set()
+        mine = np.array([capacity if self.comm.Get_rank() == 0 else 0, int(spawning)], dtype=np.int64)
+        values = np.zeros(2, dtype=np.int64)
+        self._pending = (self.comm.Iallreduce(mine, values, op=MPI.MAX), values, self._spawner is not None)
+        if verdict is None:
+            return
+        if self._spawner is not None:
+            if spawned_before and verdict[1] == 0:  # every rank's spawn has returned
+                self._settle_spawn()
+            return
+        want = self._target(int(verdict[0])) - self.comm.Get_size()
+        if want > 0 and self._failed_spawns < MAX_FAILED_SPAWNS:
+            self._start_spawn(want)
+
+    def settle(self) -> bool:
+        """When the training function returned: complete the last commit's reduction, stop looking (collective).
+
+        A spawn still in flight is finished and its new ranks are taken in
+        (they wait for that), so that no process is left waiting.
+
+        Returns:
+            Whether new ranks were taken in: the training function is then
+            called once more on every rank, from the state as it is (it
+            returns at once when it resumes from the state).
+        """
+        if self._pending is not None:
+            self._pending[0].Wait()
+            self._pending = None
+        if self._look is not None:
+            self._look.stop.set()
+            self._look = None
+        if self._spawner is not None:
+            self._spawner.done.wait()
+            if self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN):
+                self.grow()
+                return True
+            self._drop_background()
+        return False
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _guard_exit(self) -> None:
+        """At exit, finalize MPI within :data:`FINALIZE_SECONDS`, or exit without it.
+
+        After a loss, Open MPI 5's ``MPI_Finalize`` was seen to wait for good
+        in some survivors (open-mpi/ompi issue 11404; here about one run in
+        three after two ranks were lost at once). Registered once, when this
+        process first lives through a change of ranks: it stops the tracked
+        objects' watchdogs (no MPI call may follow the finalize), finalizes
+        on a thread, and if that has not returned in time, ends the process
+        with ``os._exit``: status 1 after an uncaught exception, else 0.
+        """
+        if self._guarded:
+            return
+        self._guarded = True
+        atexit.register(_finalize_within, self._tracked, FINALIZE_SECONDS)
+
+    def _replace(self, comm: MPI.Intracomm) -> None:
+        old, self.comm = self.comm, comm
+        self._pending = None
+        if old != MPI.COMM_NULL and old != comm:
+            try:
+                old.Free()
+            except MPI.Exception:
+                pass
+
+    def _target(self, capacity: int) -> int:
+        limit = self.settings.max_size
+        return capacity if limit is None else min(capacity, limit)
+
+    def _hosts_here(self) -> list[str]:
+        return self.comm.allgather(MPI.Get_processor_name())
+
+    def _start_spawn(self, want: int | None) -> None:
+        """Start ``want`` new ranks in the background (None: up to the target size), where the discovery lists
+        free slots (collective)."""
+        hosts = self.comm.bcast(_safe_hosts(self.settings.discovery) if self.comm.Get_rank() == 0 else None)
+        if want is None:
+            want = self._target(sum(hosts.values())) - self.comm.Get_size()
+        if want <= 0:
+            return
+        places = placement(hosts, self._hosts_here(), want)
+        if places:
+            self._spawner = _Spawner(self.comm, places)
+
+    def _settle_spawn(self) -> None:
+        """Every rank's spawn has returned: raise the interrupt if all succeeded, else drop it (collective)."""
+        assert self._spawner is not None
+        ok = self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN)
+        if ok:
+            raise self.interrupt(f"{self._spawner.count} new rank(s) are ready to join")
+        self._failed_spawns += 1
+        if self.comm.Get_rank() == 0:
+            again = "" if self._failed_spawns < MAX_FAILED_SPAWNS else "; no more tries"
+            sys.stderr.write(f"mpi_gradreducer.elastic: starting {self._spawner.count} new rank(s) failed "
+                             f"({self._spawner.error!r}); going on with {self.comm.Get_size()}{again}\n")
+        self._drop_background()
+
+    def _drop_background(self) -> None:
+        """Forget the spawn and the look in flight (their communicators are revoked or unused)."""
+        self._pending = None
+        if self._spawner is not None:
+            self._spawner.abandon()
+            self._spawner = None
+
+    def _wait_for_room(self) -> None:
+        """Below ``min_size``: look for room every second; spawn and merge what comes (collective).
+
+        Raises:
+            ElasticError: on every survivor, when the timeout passes first.
+        """
+        settings = self.settings
+        deadline = time.monotonic() + settings.timeout
+        while self.comm.Get_size() < settings.min_size:
+            hosts = _safe_hosts(settings.discovery) if self.comm.Get_rank() == 0 else None
+            hosts = self.comm.bcast(hosts)
+            want = self._target(sum(hosts.values())) - self.comm.Get_size()
+            places = placement(hosts, self._hosts_here(), want) if want > 0 else []
+            if places:
+                spawner = _Spawner(self.comm, places, background=False)
+                if spawner.inter is not None:
+                    self._spawner = spawner
+                    self._merge()
+                    continue
+                spawner.abandon()
+            late = self.comm.allreduce(int(time.monotonic() > deadline), op=MPI.MAX)
+            if late:
+                raise ElasticError(
+                    f"mpi_gradreducer.elastic: {self.comm.Get_size()} rank(s) left, fewer than min_size="
+                    f"{settings.min_size}, and no room for replacements appeared within {settings.timeout:g} s "
+                    f"({settings.discovery.describe()}); ending the job")
+            time.sleep(1.0)
+
+
+def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
+    if MPI.Is_finalized():
+        return
+    for t in tracked:
+        release = getattr(t, "release", None)
+        if release is not None:
+            release()
+    library = _libmpi()
+    if library is None:
+        return
+    # through ctypes, which lets go of the GIL during the call (mpi4py's Finalize keeps it: no timeout then)
+    finalize = threading.Thread(target=library.MPI_Finalize, name="mpi_gradreducer-finalize", daemon=True)
+    finalize.start()
+    finalize.join(seconds)
+    if finalize.is_alive():
+        failed = getattr(sys, "last_type", None) is not None or getattr(sys, "last_exc", None) is not None
+        sys.stderr.write(f"mpi_gradreducer.elastic: MPI_Finalize has not returned after {seconds:g} s (a known "
+                         "wait of Open MPI's after lost ranks); exiting without it\n")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed stream must not stop the exit
+                pass
+        os._exit(1 if failed else 0)
+
+
+def _libmpi() -> ctypes.CDLL | None:
+    """The MPI library this process has loaded (from ``/proc/self/maps``), or None."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libmpi.so"):
+                    return ctypes.CDLL(path)
+    except (OSError, IndexError):
+        pass
+    return None
+
+
+def _safe_hosts(discovery: Discovery) -> dict[str, int]:
+    """The discovery's hosts; a failing script counts as no room (said on stderr)."""
+    try:
+        return discovery.hosts()
+    except (RuntimeError, ValueError) as exc:
+        sys.stderr.write(f"mpi_gradreducer.elastic: {exc}; counting no room\n")
+        return {}
+
+
+class _Look:
+    """Rank 0's look at the discovery, every :data:`LOOK_EVERY` seconds on a thread of its own."""
+
+    def __init__(self, discovery: Discovery) -> None:
+        self.capacity = 0
+        self.stop = threading.Event()
+        self._discovery = discovery
+        thread = threading.Thread(target=self._run, name="mpi_gradreducer-discovery", daemon=True)
+        thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            self.capacity = sum(_safe_hosts(self._discovery).values())
+            self.stop.wait(LOOK_EVERY)
+
+
+class _Spawner:
+    """New ranks started from the current ranks (``Spawn``), on a thread or at once (collective to start).
+
+    Args:
+        comm: the ranks training now.
+        places: one host per new rank.
+        background: spawn on a thread (the training goes on meanwhile).
+    """
+
+    def __init__(self, comm: MPI.Intracomm, places: list[str], background: bool = True) -> None:
+        self.comm: MPI.Intracomm = _ulfm.returning(comm.Dup())  # type: ignore[assignment]
+        self.count = len(places)
+        self.places = places
+        self.inter: MPI.Intercomm | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        if background:
+            threading.Thread(target=self._spawn, name="mpi_gradreducer-spawn", daemon=True).start()
+        else:
+            self._spawn()
+
+    def _spawn(self) -> None:
+        info = MPI.Info.Create()
+        try:
+            here = socket.gethostname()
+            if any(p != here for p in self.places):
+                info.Set("host", ",".join(self.places))
+            argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
+            inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count, info=info, root=0)
+            self.inter = _ulfm.returning(inter)  # type: ignore[assignment]
+        except BaseException as exc:  # reported by check_host_updates on every rank
+            self.error = exc
+        finally:
+            info.Free()
+            self.done.set()
+
+    def abandon(self) -> None:
+        """Forget the spawn: revoke its communicator; a spawn still in flight ends with an error."""
+        _ulfm.revoke([self.comm])
+        self.done.wait(timeout=5.0)
+        self.free()
+
+    def free(self) -> None:
+        """Free the communicators (local)."""
+        for comm in (self.inter, self.comm):
+            if comm is not None and comm != MPI.COMM_NULL:
+                try:
+                    comm.Free()
+                except MPI.Exception:
+                    pass

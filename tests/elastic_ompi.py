@@ -1,0 +1,126 @@
+"""Launching Open MPI jobs with fault tolerance for the elastic tests, and killing their ranks from outside.
+
+One small helper (``OmpiJob``) so that the launch can move to the shared
+launcher later in one change. The job runs with the Open MPI venv's
+``mpiexec --with-ft ulfm`` (``.venv-ompi`` at the repository's root, or
+``MPI_GRADREDUCER_OMPI_VENV``), as root where needed, oversubscribed,
+with TCP on loopback only. Its whole process tree is killed on timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_ENV = "MPI_GRADREDUCER_OMPI_VENV"
+
+
+def ompi_venv() -> Path | None:
+    """The Open MPI venv (with ``mpiexec`` and ``python``), or None."""
+    venv = Path(os.environ.get(VENV_ENV, ROOT / ".venv-ompi"))
+    return venv if (venv / "bin" / "mpiexec").exists() and (venv / "bin" / "python").exists() else None
+
+
+def why_not_here() -> str | None:
+    """Why these tests cannot run in this process, or None.
+
+    They run under the Open MPI venv's pytest (``scripts/test.sh``'s elastic
+    stage), as one process that launches its own jobs.
+    """
+    from mpi4py import MPI
+
+    if not MPI.Get_library_version().startswith("Open MPI"):
+        return "runs in the Open MPI stage (scripts/test.sh: the venv .venv-ompi)"
+    if MPI.COMM_WORLD.Get_size() > 1:
+        return "launches its own MPI jobs: run from a single process"
+    if ompi_venv() is None:
+        return f"needs Open MPI's mpiexec in .venv-ompi (or {VENV_ENV})"
+    return None
+
+
+class OmpiJob:
+    """``mpiexec --with-ft ulfm -n RANKS python SCRIPT ARGS``, started in the background.
+
+    Args:
+        script: the job script (relative to the repository).
+        args: its arguments.
+        ranks: how many ranks.
+        env: more environment variables (passed to every rank with ``-x``).
+        ft: launch with ``--with-ft ulfm``.
+    """
+
+    def __init__(self, script: str, *args: str, ranks: int = 4, env: dict[str, str] | None = None,
+                 ft: bool = True) -> None:
+        venv = ompi_venv()
+        assert venv is not None
+        environ = {k: v for k, v in os.environ.items()
+                   if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_", "PRTE_", "MPI_GRADREDUCER_"))}
+        environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
+                       PYTHONPATH=str(ROOT) + os.pathsep + environ.get("PYTHONPATH", ""))
+        environ.pop("PYTHONUNBUFFERED", None)
+        extra = dict(env or {})
+        environ.update(extra)
+        command = [str(venv / "bin" / "mpiexec"), "--oversubscribe", "--mca", "btl_tcp_if_include", "lo",
+                   *(["--with-ft", "ulfm"] if ft else []), "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
+                   *[a for k in extra for a in ("-x", k)], "-n", str(ranks),
+                   str(venv / "bin" / "python"), str(ROOT / script), *args]
+        self.command = command
+        self.proc = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.output = ""
+
+    def wait(self, limit: float) -> int:
+        """Wait for the end (at most ``limit`` s; then kill the whole tree and fail); returns the exit status."""
+        try:
+            self.output, _ = self.proc.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            self.output, _ = self.proc.communicate()
+            raise AssertionError(f"the job did not end within {limit} s:\n{self.output[-6000:]}") from None
+        return self.proc.returncode
+
+    def kill_all(self) -> None:
+        """SIGKILL the launcher's whole process group (every rank it started)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def __enter__(self) -> OmpiJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.kill_all()
+            self.proc.communicate()
+
+
+def wait_for(predicate, limit: float, what: str, job: OmpiJob | None = None, every: float = 0.005):  # type: ignore[no-untyped-def]
+    """Poll ``predicate()`` until it returns something true (returned); fail after ``limit`` s or if the job ended."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if job is not None and job.proc.poll() is not None:
+            out, _ = job.proc.communicate()
+            raise AssertionError(f"the job ended ({job.proc.returncode}) before {what}:\n{out[-6000:]}")
+        time.sleep(every)
+    raise AssertionError(f"timed out after {limit} s waiting for {what}")
+
+
+def kill(pid: int) -> float:
+    """SIGKILL process ``pid`` from outside; returns the time (``time.time()``) it was sent."""
+    t = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return t
+
+
+def python() -> str:
+    """This interpreter (for single-process helpers)."""
+    return sys.executable

@@ -1,0 +1,153 @@
+"""An elastic numpy training loop for the failure tests: a linear model on random float data.
+
+Used by ``tests/test_elastic.py``, under Open MPI with fault tolerance::
+
+    mpiexec --with-ft ulfm -n 4 python tests/jobs/elastic_train.py --out DIR --steps 40
+
+Each step, the global batch of step ``s`` (random floats seeded by ``s``)
+is shared among the ranks training now, by rank; the gradient is averaged
+in rank order (``deterministic=True``), so that a run at a given size gives
+the same bits whatever happened before. The state (parameters, optional
+ballast, the step) is committed every step.
+
+What the test reads, all under ``--out``:
+
+- ``pid.R``: the process id of the process that started as rank R (a
+  replacement writes ``pid.new.PID``);
+- ``at.PID``: the phase this process is in now, ``PHASE STEP`` (``reduce``
+  just before the reducer call, ``commit`` just before the commit, ``sync``
+  at the start of a sync after a failure), rewritten at each phase;
+- ``log.PID``: one line per event: ``commit S TIME``, ``resume S SIZE TIME``
+  (after a change of ranks, with the step it goes on from), ``failure TEXT``
+  (``TIME``: ``time.time()``);
+- ``final.PID.npy``: the parameters at the end, with ``final.PID.txt``
+  holding ``STEP SIZE``;
+- ``resume.npz`` (with ``--save-resume``): the state rank 0 went on from
+  after the first failure, for a fresh run to start from (``--load``).
+
+``--straggle PID_FILE_RANK:STEP``: that original rank sleeps before its
+reducer call at that step (the others wait for it in the collective).
+``--slow-sync RANK``: after a failure, that original rank sleeps at the
+start of the sync (the others wait for it, inside the recovery).
+``kill -USR1`` on a rank prints its threads' stacks (to look at a hang).
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI  # noqa: I001 (after the package)
+
+from mpi_gradreducer import DistributedGradReducer, elastic  # first: it sets Open MPI's defaults for ULFM
+
+FEATURES, OUTPUTS, BATCH = 48, 8, 24
+
+
+def batch(step: int, rank: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's rows of step ``step``'s global batch (the same data whatever the size)."""
+    rng = np.random.default_rng(1000 + step)
+    x = rng.standard_normal((BATCH, FEATURES)).astype(np.float32)
+    y = rng.standard_normal((BATCH, OUTPUTS)).astype(np.float32)
+    return x[rank::size], y[rank::size]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--ballast-mb", type=float, default=0.0, help="one more parameter of this many MB")
+    parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--straggle", default="")
+    parser.add_argument("--slow-sync", type=int, default=-1)
+    parser.add_argument("--progress", default="deferred")
+    parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--min-size", type=int, default=None)
+    parser.add_argument("--save-resume", action="store_true")
+    parser.add_argument("--load", default="")
+    args = parser.parse_args()
+    faulthandler.register(signal.SIGUSR1)
+    out = Path(args.out)
+    world = MPI.COMM_WORLD
+    new = MPI.Comm.Get_parent() != MPI.COMM_NULL
+    pid = os.getpid()
+    first_rank = -1 if new else world.Get_rank()
+    (out / (f"pid.new.{pid}" if new else f"pid.{first_rank}")).write_text(str(pid))
+    log = open(out / f"log.{pid}", "a", buffering=1)
+
+    def at(phase: str, step: int) -> None:
+        (out / f"at.{pid}").write_text(f"{phase} {step}")
+
+    rng = np.random.default_rng(7)
+    params = [(rng.standard_normal((FEATURES, OUTPUTS)) * 0.1).astype(np.float32), np.zeros(OUTPUTS, np.float32)]
+    if args.ballast_mb:
+        params.append(np.zeros(int(args.ballast_mb * 2**20) // 4, np.float32))
+    step0 = 0
+    if args.load:
+        saved = np.load(args.load)
+        for i, p in enumerate(params):
+            p[...] = saved[f"p{i}"]
+        step0 = int(saved["step"])
+    straggler, straggle_step = (int(v) for v in args.straggle.split(":")) if args.straggle else (-2, -1)
+
+    class Tracked(elastic.ArrayState):
+        def sync(self) -> None:
+            if self.failure is not None:
+                at("sync", self.step)
+                if first_rank == args.slow_sync:
+                    time.sleep(3.0)
+            super().sync()
+
+    state = Tracked(params, step=step0)
+    reducer = DistributedGradReducer(params, group=state.comm, deterministic=True, progress=args.progress,
+                                     timeout=args.timeout if args.timeout else "env")
+    state.world.track(reducer)
+    resumed: list[int] = []
+
+    def on_reset() -> None:
+        log.write(f"resume {state.step} {state.size} {time.time():.6f}\n")
+        if state.failure is not None:
+            log.write(f"failure {state.failure}\n")
+        if args.save_resume and not resumed and state.rank == 0 and state.failure is not None:
+            np.savez(out / "resume.npz", step=state.step, **{f"p{i}": p for i, p in enumerate(params)})
+        resumed.append(state.step)
+
+    state.register_reset_callbacks([on_reset])
+
+    @elastic.run(min_size=args.min_size)
+    def train(state: Tracked) -> None:
+        grads = [np.empty_like(p) for p in params]
+        while state.step < args.steps:
+            w, b = params[0], params[1]
+            x, y = batch(state.step, state.rank, state.size)
+            err = x @ w + b - y
+            grads[0][...] = x.T @ err
+            grads[1][...] = err.sum(axis=0)
+            if len(params) > 2:
+                grads[2].fill(float(state.step))
+            if first_rank == straggler and state.step == straggle_step:
+                time.sleep(3.0)
+            at("reduce", state.step)
+            reducer(grads)
+            for p, g in zip(params, grads, strict=True):
+                p -= np.float32(0.05) * g
+            time.sleep(args.step_seconds)
+            state.step += 1
+            at("commit", state.step)
+            state.commit()
+            log.write(f"commit {state.step} {time.time():.6f}\n")
+
+    train(state)
+    at("done", state.step)
+    np.save(out / f"final.{pid}.npy", np.concatenate([p.ravel() for p in params[:2]]))
+    (out / f"final.{pid}.txt").write_text(f"{state.step} {state.size}")
+    reducer.free()
+
+
+if __name__ == "__main__":
+    main()
