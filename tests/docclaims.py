@@ -263,6 +263,26 @@ def check_clip(ns: dict[str, Any], out: str, spy: Spy) -> None:
     assert norm <= 1.0 + 1e-6, f"the gradients' norm is {norm} after clip_grad_norm_(max_norm=1.0)"
 
 
+def check_hook(ns: dict[str, Any], out: str, spy: Spy) -> None:
+    """A bucket hook summing in float64: the mean, in place, rounded once into the float32 gradients (0.1
+    exactly, on every rank)."""
+    inputs = _inputs(spy)
+    _same_everywhere(ns["grads"], "the gradients")
+    _averaged(spy, inputs, 1)
+    assert all(g.dtype == np.float32 and np.all(g == np.float32(0.1)) for g in ns["grads"]), "not 0.1 exactly"
+
+
+def check_bucket_views(ns: dict[str, Any], out: str, spy: Spy) -> None:
+    """``allocate_grads()`` hands out views (into the fusion buffers), and the same views hold every call's
+    mean: (size + 1) / 2, the same on every rank."""
+    inputs = _inputs(spy)
+    grads = ns["grads"]
+    _same_everywhere(grads, "the gradients")
+    _averaged(spy, inputs, 3)
+    assert all(c.grads[i] is g for c in spy.calls for i, g in enumerate(grads)), "not the same arrays every call"
+    assert all(not g.flags.owndata for g in grads), "allocate_grads() gave arrays that own their memory"
+
+
 CLAIMS = (
     Claim("README.rst", "rng = np.random.default_rng()  ", "averaged in place; the same parameters",
           check_numpy_loop),
@@ -280,6 +300,8 @@ CLAIMS = (
           check_first_loop),
     Claim("docs/horovod.rst", "import mpi_gradreducer.horovod as hvd", "Horovod's names", check_horovod_import),
     Claim("docs/numpy.rst", "g_rows = RowSparse(", "rows and dense gradients", check_numpy_row_sparse),
+    Claim("docs/numpy.rst", "def float64_sums(bucket):", "the mean through a float64 hook", check_hook),
+    Claim("docs/performance.rst", "grads = reducer.allocate_grads()", "views that hold the mean", check_bucket_views),
     Claim("docs/powersgd.rst", "compression=PowerSGD(", "the same bits after a pause", check_powersgd_page),
     Claim("docs/torch.rst", "clip_grad_norm_(opt, max_norm=1.0)", "the same clipped average", check_clip),
 )
