@@ -290,14 +290,25 @@ class Cluster:
         ip("link", "set", self.veth(host), "up" if up else "down")
 
     def stats(self) -> dict[int, tuple[int, int]]:
-        """Bytes sent and received by each host's NIC, read inside its namespace."""
+        """Bytes sent and received by each host's NIC, read inside its namespace.
+
+        Raises:
+            ClusterError: the cluster is not up, or a host's counters cannot be read.
+        """
+        hosts = self.hosts()
+        if not hosts:
+            raise ClusterError(f"cluster {self.name!r} is not up; run `cluster.py up --hosts H` first")
         out = {}
-        for host in self.hosts():
-            text = subprocess.run(["ip", "netns", "exec", self.ns(host), "cat",
+        for host in hosts:
+            proc = subprocess.run(["ip", "netns", "exec", self.ns(host), "cat",
                                    f"/sys/class/net/{NIC}/statistics/tx_bytes",
                                    f"/sys/class/net/{NIC}/statistics/rx_bytes"],
-                                  capture_output=True, text=True, timeout=30).stdout.split()
-            out[host] = (int(text[0]), int(text[1])) if len(text) == 2 else (-1, -1)
+                                  capture_output=True, text=True, timeout=30)
+            text = proc.stdout.split()
+            if proc.returncode != 0 or len(text) != 2 or not all(t.isdigit() for t in text):
+                raise ClusterError(f"host {host}: cannot read the counters of its {NIC}: "
+                                   f"{proc.stderr.strip() or repr(proc.stdout)}")
+            out[host] = (int(text[0]), int(text[1]))
         return out
 
     def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher) -> list[str]:

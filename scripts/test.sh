@@ -7,8 +7,9 @@
 # (configured in pyproject.toml), builds the documentation site with warnings
 # as errors (scripts/docs.sh; the docs extra is installed here), then runs the
 # collective tests under mpiexec with 4 and 3 ranks, then across hosts (2
-# hosts x 2 ranks, network namespaces made by scripts/cluster.py, MPI over
-# TCP; with a link cut, an outage and a host's ranks killed), then everything
+# hosts x 2 ranks and 4 hosts x 1 rank, network namespaces made by
+# scripts/cluster.py, MPI over TCP, the bytes on the wire read from the NICs;
+# with a link cut, an outage and a host's ranks killed), then everything
 # else in one process (unit tests, size-1 runs, the tests that launch whole
 # MPI jobs, and the documentation's examples).
 #
@@ -16,7 +17,7 @@
 # ranks (more than this machine's cores: oversubscribed), the fault tests
 # and the tests that launch jobs (ULFM among them) in one process, elastic
 # mode (ranks SIGKILLed from outside, the survivors go on), and the stage
-# across hosts as under MPICH.
+# across hosts as under MPICH (2 hosts x 2 ranks).
 #
 # Intel MPI (the [impi] extra) is not run by default, to keep the suite
 # within its 40-minute budget on a 2-core machine: a third venv (torch
@@ -26,8 +27,8 @@
 # ranks, the tests that launch jobs).
 #
 # The stages across hosts need root and network namespaces: elsewhere they
-# say why and are skipped. Every run has a hard time limit: a hang fails the
-# suite instead of stalling it.
+# say why and are skipped. Every run has a hard time limit, and every test
+# its own (tests/conftest.py): a hang fails the suite, naming the test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -59,13 +60,20 @@ collective() {
     timeout --kill-after=10 900 "${mpirun[@]}" -n "$n" -- "${pytest[@]}" --only-mpi
   done
 }
-# hosts NAME CLUSTER: across 2 hosts x 2 ranks, the collective tests, then tests/test_hosts.py
+# hosts NAME CLUSTER [4x1]: across 2 hosts x 2 ranks (and 4 hosts x 1 rank if asked), the collective tests
+# (the bytes each call sends read from the NICs among them), then tests/test_hosts.py
 hosts() {
   echo "== $1, across hosts: 2 hosts x 2 ranks (network namespaces, MPI over TCP) $(elapsed)"
   if why=$(python scripts/cluster.py check 2>&1); then
     python scripts/cluster.py --name "$2" down
     timeout --kill-after=10 900 python scripts/cluster.py --name "$2" run --hosts 2 --ppn 2 --timeout 850 -- \
       "${pytest[@]}" --only-mpi
+    if [ "${3:-}" = 4x1 ]; then
+      echo "== $1, across hosts: 4 hosts x 1 rank (unshaped links) $(elapsed)"
+      python scripts/cluster.py --name "${2}4" down
+      timeout --kill-after=10 900 python scripts/cluster.py --name "${2}4" run --hosts 4 --ppn 1 --timeout 850 -- \
+        "${pytest[@]}" --only-mpi
+    fi
     echo "== $1, across hosts: a link cut, an outage, a host's ranks killed; the harness's errors $(elapsed)"
     timeout --kill-after=10 600 python -m pytest -q -p no:cacheprovider tests/test_hosts.py --with-mpi -rxs
   else
@@ -84,7 +92,7 @@ timeout --kill-after=10 300 mypy
 echo "== MPICH: docs: the site, warnings as errors $(elapsed)"
 MPI_GRADREDUCER_VENV="$venv" timeout --kill-after=10 600 bash scripts/docs.sh --no-install
 collective MPICH 4 3
-hosts MPICH mgrci
+hosts MPICH mgrci 4x1
 echo "== MPICH, one process: all other tests $(elapsed)"
 # -rs: every skip with its reason (the documentation examples marked as fragments among them)
 timeout --kill-after=10 1200 "${pytest[@]}" --with-mpi -rs --ignore=tests/test_hosts.py

@@ -3,11 +3,15 @@
 Collective tests are marked ``mpi`` and run under ``mpiexec -n N python -m
 pytest --only-mpi`` (and at size 1 with ``--with-mpi``). When a test fails on
 one rank while the others go on to the next collective, the job would hang:
-instead the failing rank prints its report to stderr and aborts the job.
+instead the failing rank prints its report to stderr and aborts the job. A
+test that hangs (a rank that never arrives, a job that never ends) is ended
+by its time limit: each rank prints the test's name and its threads' stacks,
+and aborts the job.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import importlib.util
 import os
@@ -15,8 +19,11 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +49,72 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         )
         sys.stderr.flush()
         WORLD.Abort(1)
+
+
+#: Seconds a collective test (marked ``mpi``) may take, setup and teardown included, before the job is ended
+#: with its name: five times the slowest on this 2-core machine loaded by other jobs (35 s at 2 hosts x 2 ranks).
+COLLECTIVE_LIMIT = 180.0
+#: The same for every other test: those that launch whole jobs hold each job to a shorter limit of their own.
+TEST_LIMIT = 600.0
+#: After the limit, the grace for a test whose thread holds the interpreter (no Python runs to report it):
+#: then only the stacks are printed, and the process exits.
+_BACKSTOP = 30.0
+#: Seconds a rank past a test's limit waits for the others' reports before it aborts the job.
+_REPORTS = 2.0
+
+
+def _limit(item: pytest.Item) -> float:
+    """The test's time limit: ``@pytest.mark.limit(seconds)``, else by kind."""
+    marker = item.get_closest_marker("limit")
+    if marker is not None:
+        return float(marker.args[0])
+    return COLLECTIVE_LIMIT if item.get_closest_marker("mpi") is not None else TEST_LIMIT
+
+
+#: A descriptor of this process's stderr as it was before pytest captured it (see ``pytest_configure``).
+_STDERR = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep this process's own stderr: what a test prints is captured, but its time limit is reported there."""
+    capman = config.pluginmanager.getplugin("capturemanager")
+    if capman is not None:
+        capman.suspend_global_capture()
+    try:
+        config.stash[_STDERR] = os.dup(2)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
+
+
+def _expire(nodeid: str, seconds: float, stderr: int) -> None:
+    """Test ``nodeid`` ran past its limit: write its name and every thread's stack to ``stderr`` (in one
+    write, so that ranks' reports do not interleave), and end the job once the other ranks, whose limits
+    pass at about the same time, have written theirs."""
+    with tempfile.TemporaryFile() as f:
+        faulthandler.dump_traceback(file=f, all_threads=True)
+        f.seek(0)
+        stacks = f.read().decode(errors="replace")
+    os.write(stderr, (f"\n=== rank {WORLD.Get_rank()} of {WORLD.Get_size()}: {nodeid} ran past its time limit of "
+                      f"{seconds:g} s; aborting the job ===\n{stacks}").encode())
+    time.sleep(_REPORTS)
+    WORLD.Abort(1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Every test runs under a time limit (see ``_limit``): past it, the test is named and the job ended."""
+    seconds, stderr = _limit(item), item.config.stash[_STDERR]
+    timer = threading.Timer(seconds, _expire, (item.nodeid, seconds, stderr))
+    timer.daemon = True
+    timer.start()
+    faulthandler.dump_traceback_later(seconds + _BACKSTOP, exit=True, file=stderr)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+        timer.cancel()
 
 
 @pytest.fixture(params=["world", "self", "dup"])

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import WORLD
+from conftest import WORLD, everywhere
 from mpi_gradreducer import bench
 from mpi_gradreducer.bench import network
 
@@ -99,14 +99,35 @@ def test_counters_sum_every_interface_but_the_loopback(tmp_path: Path):
         network.interfaces(["eth1", "wlan9"], root=str(tmp_path))
 
 
-def test_counters_of_this_namespace_grow():
-    names = network.interfaces()
-    assert "lo" not in names
-    assert network.tx_bytes(names) >= 0
-
-
 #: The hosts of the launch: ``scripts/cluster.py`` tells the ranks (the code under test finds them by itself).
 LAUNCH_HOSTS = int(os.environ.get("CLUSTER_HOSTS", "1"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_counters_count_what_each_host_sends():
+    """Across hosts: the first rank sends 4 MiB to a rank of the next host; the counters its host's leader
+    reads grow by that (plus headers), those of the receiving host by its acknowledgements only."""
+    if not everywhere(LAUNCH_HOSTS > 1):
+        pytest.skip("one host: no NIC between the ranks (run under scripts/cluster.py run --hosts 2 or more)")
+    hosts = network.host_layout(WORLD)
+    names = network.interfaces() if hosts.leader else []
+    assert "lo" not in names
+    first_of_next = WORLD.allgather(hosts.index).index(1)
+    payload = np.ones(1 << 20, dtype=np.float32)
+    WORLD.Barrier()
+    before = network.tx_bytes(names)
+    WORLD.Barrier()
+    if WORLD.Get_rank() == 0:
+        WORLD.Send(payload, dest=first_of_next)
+    elif WORLD.Get_rank() == first_of_next:
+        WORLD.Recv(payload, source=0)
+    WORLD.Barrier()
+    grown = np.zeros(hosts.count)
+    if hosts.leader:
+        grown[hosts.index] = network.tx_bytes(names) - before
+    WORLD.Allreduce(MPI.IN_PLACE, grown, op=MPI.SUM)
+    assert payload.nbytes <= grown[0] <= 1.05 * payload.nbytes, grown
+    assert grown[1] <= 0.05 * payload.nbytes, grown
 
 
 @pytest.mark.mpi

@@ -43,12 +43,35 @@ def test_limited_restores_after_an_exception():
     assert _counts() == before
 
 
-def test_share_of_cores():
-    cores, machine = len(os.sched_getaffinity(0)), os.cpu_count()
-    if cores < machine:  # bound to some cores by the launcher: those are this rank's share
-        assert all(share_of_cores(n) == cores for n in (0, 1, cores, 10 * machine))
-        return
+@pytest.fixture
+def affinity():
+    """Sets this thread's cores (``share_of_cores`` reads them) for a test; puts them back after."""
+    before = os.sched_getaffinity(0)
+    yield lambda cores: os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, before)
+
+
+def test_a_rank_bound_to_one_core_gets_that_core(affinity):
+    """A launcher's binding is the rank's share, however many ranks share the host (1 rank included)."""
+    affinity({min(os.sched_getaffinity(0))})
+    assert [share_of_cores(n) for n in (1, 2, 3, 64)] == [1, 1, 1, 1]
+
+
+def test_a_rank_bound_to_some_cores_gets_those(affinity):
+    machine, allowed = os.cpu_count() or 1, sorted(os.sched_getaffinity(0))
+    if machine < 3 or len(allowed) < 2:
+        pytest.skip(f"needs a binding to 2 of 3 or more cores ({len(allowed)} of {machine} here)")
+    affinity(set(allowed[:2]))
+    assert [share_of_cores(n) for n in (1, 2, 3, 64)] == [2, 2, 2, 2]
+
+
+def test_an_unbound_rank_gets_the_cores_divided_by_the_ranks_on_its_host(affinity):
+    cores = os.cpu_count() or 1
+    try:
+        affinity(set(range(cores)))
+    except OSError:
+        pytest.skip("this process may not run on every core of the machine (a cpuset)")
     assert share_of_cores(1) == share_of_cores(0) == cores
-    assert share_of_cores(cores) == 1
-    assert share_of_cores(10 * cores) == 1
-    assert share_of_cores(2) == max(1, cores // 2)
+    assert share_of_cores(cores) == 1 and share_of_cores(10 * cores) == 1
+    if cores >= 2:
+        assert share_of_cores(2) == cores // 2

@@ -1,10 +1,13 @@
-"""Every Python example of README.rst and docs/*.rst runs (``tests/docexamples.py`` finds them).
+"""Every Python example of README.rst and docs/*.rst runs (``tests/docexamples.py`` finds them), and holds.
 
-Doctests (``>>>``) run here, in one process. The other examples run in ONE
-``mpiexec -n 4`` job that execs each of them on every rank, in order, under
-a hard time limit; each example is then one test here, which fails with the
-traceback of every rank where it raised. Examples marked as fragments
-(``.. fragment: why`` before them) are skipped, with the reason.
+Doctests (``>>>``) run here, in one process, and compare what they print.
+The other examples run in ONE ``mpiexec -n 4`` job that execs each of them
+on every rank, in order, under a hard time limit, then checks on every rank
+what the example prints or claims (``tests/docclaims.py``: the values it
+prints, averages, "the same bits"); each example is then one test here,
+which fails with the traceback of every rank where it raised or its check
+failed. Examples marked as fragments (``.. fragment: why`` before them) are
+skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import tempfile
 import pytest
 
 from conftest import WORLD, run_job
+from docclaims import CLAIMS, claims_of
 from docexamples import Example, all_examples
 
 EXAMPLES = all_examples()
@@ -39,6 +43,15 @@ def test_examples_are_found():
         print(f"  {e.id}: {e.fragment}")
 
 
+def test_every_runnable_example_has_one_check_and_every_check_one_example():
+    """An example added later gets its check (tests/docclaims.py); a check whose example changed is found."""
+    for e in RUNNABLE:
+        assert len(claims_of(e.path, e.code)) == 1, f"{e.id}: {len(claims_of(e.path, e.code))} checks"
+    for c in CLAIMS:
+        matched = [e.id for e in RUNNABLE if c in claims_of(e.path, e.code)]
+        assert len(matched) == 1, f"the check of {c.path} {c.marker!r} matches {matched}"
+
+
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e.doctest], ids=lambda e: e.id)
 def test_doctest(example: Example):
     if example.fragment is not None:
@@ -57,7 +70,7 @@ def ran() -> dict[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "in.json"), os.path.join(tmp, "out.json")
         with open(src, "w") as f:
-            json.dump([{"id": e.id, "code": e.code} for e in RUNNABLE], f)
+            json.dump([{"id": e.id, "path": e.path, "code": e.code} for e in RUNNABLE], f)
         job = run_job("doc_examples.py", src, dst, runner=True, limit=LIMIT,
                       env={"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"})
         started = re.findall(r"^example (\S+)$", job.stdout, re.M)

@@ -5,7 +5,8 @@ hosts) the reducer's communicator spans hosts with several ranks on each, and
 the summers of :class:`~mpi_gradreducer._core.summers.Summers` have two levels; on one
 host they are flat, in rank order. Either way each test computes, from every
 rank's random float data, the exact bits the order must give, and the
-summers must give them for every chunk size.
+summers must give them for every chunk size. Across hosts, the NICs' counters
+show what crosses the links: 32 bits, or 16 with compression.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import WORLD
+from conftest import WORLD, everywhere
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer._core.summers import Summers as Hosts
 from mpi_gradreducer._core.topology import Topology
 from mpi_gradreducer._core.wire import get_compression
+from nic import LAUNCH_HOSTS, Wire, ring_bytes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -114,10 +116,13 @@ def test_slice_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
 
 
 @pytest.mark.parametrize("n", COUNTS)
-def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: int):
+def test_compressed_sum_gives_the_bits_of_its_order(hosts: Hosts, n: int):
     """With fp16 across hosts: each host's float32 sum, divided by the ranks and rounded to float16, summed
     across hosts in float32 and rounded again, then scaled back; where the sum is flat (one host, one rank per
-    host, uneven hosts), every rank's values so."""
+    host, uneven hosts), every rank's values so.
+
+    These bits would also come from float32 traffic rounded the same way: what crosses the links is
+    counted by the next test."""
     rows = _rows(n, np.float32, 11 + n)
     size, scale = WORLD.Get_size(), 0.25
     groups = _groups(hosts) if hosts.two_levels else [[r] for r in range(size)]
@@ -131,6 +136,39 @@ def test_compressed_sum_crosses_hosts_as_16_bits_in_its_order(hosts: Hosts, n: i
         for start in range(0, n, step):
             summer(data[start : start + step], scale)
         np.testing.assert_array_equal(data, expected)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 64 << 10], ids=["chunks of the hosts' size", "64 KiB chunks"])
+@pytest.mark.parametrize("compression", [None, "fp16"])
+def test_across_hosts_each_host_sends_the_ring_optimum_of_the_wire_format(hosts: Hosts, compression: str | None,
+                                                                         chunk_bytes: int | None):
+    """Counted by the hosts' NICs (:mod:`nic`): float32 chunks cross as 32 bits, each host sending
+    ``2 (hosts - 1) / hosts`` of them; compressed, as 16 bits: half that. In two levels and with one rank a
+    host, in the chunks across hosts (1 MiB) and in small ones (a small bucket, or a bucket's last chunk)."""
+    if not everywhere(LAUNCH_HOSTS > 1):
+        pytest.skip("one host: nothing crosses a link (run under scripts/cluster.py run --hosts 2 or more)")
+    wire = Wire()
+    assert hosts.casts_across and hosts.count == len(wire.hosts)
+    data = np.random.default_rng([13, WORLD.Get_rank()]).standard_normal(4 << 20, dtype=np.float32)  # 16 MiB
+    step = (chunk_bytes or hosts.chunk_bytes) // data.itemsize
+    if compression is None:
+        summer = hosts.ordered(np.float32, step * data.itemsize)
+    else:
+        summer = hosts.cast(np.float32, get_compression(compression), chunk_bytes=step * data.itemsize)
+
+    def reduce() -> None:
+        for start in range(0, data.shape[0], step):
+            summer(data[start : start + step], 0.25)
+
+    reduce()
+    sent = wire.per_call(reduce)
+    ring = ring_bytes(data.nbytes, hosts.count)  # of the float32 bytes
+    least, most = (0.475, 0.55) if compression else (0.95, 1.05)  # the headers of 2 KiB pieces cost 6 %
+    ratios = sent / ring
+    print(f"{compression or 'float32'}: {', '.join(f'{r:.4f}' for r in ratios)} x ring, host by host")
+    assert np.all((least <= ratios) & (ratios <= most)), (
+        f"{compression or 'float32'}: each host should send {least:g} to {most:g} x {ring / 1e6:.2f} MB; the hosts "
+        f"sent {', '.join(f'{b / 1e6:.2f} MB' for b in sent)} ({', '.join(f'{r:.3f}' for r in ratios)} x)")
 
 
 @pytest.mark.parametrize("compression", [None, "fp16"])

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import WORLD
 from mpi_gradreducer import Options, RowSparse
-from mpi_gradreducer._core import header as control, options as options_module, paths
+from mpi_gradreducer._core import header as control, options as options_module, paths, summers
 from mpi_gradreducer._core.call import open_call
 from mpi_gradreducer._core.context import Context
 from mpi_gradreducer._core.fusion import plan_for
@@ -289,8 +289,12 @@ def test_host_path_joins_consecutive_own_view_buckets_into_one_run():
         _run(assigned, range(3), call)
         for v in views:
             np.testing.assert_allclose(v, (size + 1) / 2)
-        # The header with bucket 0 (all of it fits in the head), then buckets 1 and 2 as one run.
-        assert ctx.instrument.stats.messages == 2
+        # The header with bucket 0 (all of it fits in the head), then buckets 1 and 2 as one run: the
+        # collectives of one sum of their 256 elements (one on one host, where a small chunk is gathered
+        # whole; two across hosts, where it is not)
+        one_run = summers.allreduce(WORLD, np.zeros(256), 1.0, ctx.summers.chunk_bytes,
+                                    ordered=ctx.summers.ordered(np.float64), every_chunk=True)
+        assert ctx.instrument.stats.messages == 1 + one_run
         assert call.info.runs
         ordinary = [np.full(64, r + 1.0) for _ in range(6)]
         before = ctx.instrument.stats.messages

@@ -274,8 +274,8 @@ def test_nonfinite_is_the_same_on_every_rank():
 
 
 @pytest.mark.mpi
-def test_torch_tensors_as_grads_and_params():
-    torch = pytest.importorskip("torch")
+def test_torch_tensors_as_grads_and_params(torch):
+    """torch tensors, when every rank has torch (the conftest fixture skips on every rank alike)."""
     params = [torch.zeros(s, dtype=torch.float64) for s in SHAPES]
     with DistributedGradReducer(params, bucket_bytes=8 << 10) as reducer:
         shard = reducer.reduce_scatter([torch.from_numpy(g) for g in _grads()])

@@ -43,9 +43,14 @@ def test_the_cluster_layout_is_seen():
 
 
 def test_info_groups_the_ranks_by_host():
+    """Each rank's host is told by the kernel's host name here (not MPI's processor name nor its shared-memory
+    split, from which ``info`` works it out): the ranks grouped so, and the shared-memory nodes counted so."""
     facts = collect(WORLD)
-    names = processor_names(WORLD)
-    assert facts["hosts"] == {n: [r for r, m in enumerate(names) if m == n] for n in dict.fromkeys(names)}
+    groups: dict[str, list[int]] = {}
+    for rank, name in enumerate(WORLD.allgather(socket.gethostname())):
+        groups.setdefault(name, []).append(rank)
+    assert sorted(facts["hosts"].values()) == sorted(groups.values()), (facts["hosts"], groups)
+    assert facts["nodes"] == len(groups) and sorted(facts["ranks_per_node"]) == sorted(map(len, groups.values()))
 
 
 @pytest.mark.mpi(min_size=2)

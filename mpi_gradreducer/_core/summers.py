@@ -115,12 +115,12 @@ class OrderedSum:
     Each element's sum is formed by one rank, adding every rank's value in
     rank order in the chunk's dtype, and scaled there; so the result does not
     depend on chunk boundaries, message sizes or the MPI library, and is the
-    same on every rank. A chunk of up to :data:`GATHERED_SUM_BYTES` is
-    gathered whole on every rank (one ``Allgather``) and summed there; a
-    larger one is cut into one equal block per rank (``Alltoall``), each rank
-    sums its block, and the blocks are shared (``Allgather``); the last
-    ``n % size`` elements, if any, are gathered whole. Scratch buffers are
-    kept for the next chunk.
+    same on every rank. A chunk of up to ``gathered_bytes`` is gathered
+    whole on every rank (one ``Allgather``) and summed there; a larger one is
+    cut into one equal block per rank (``Alltoall``), each rank sums its
+    block, and the blocks are shared (``Allgather``); the last ``n % size``
+    elements, if any, are gathered whole. Scratch buffers are kept for the
+    next chunk.
 
     Two levels (``across``): ``comm`` holds the ranks of one host, and each
     rank's sum of its block over the host is then summed with the other
@@ -137,11 +137,18 @@ class OrderedSum:
         across: the summer of the hosts' sums (an :class:`OrderedSum`, or a
             :class:`CastSum`), or None (``comm`` is all the ranks).
         wait: completes the nonblocking data movement (see :class:`Exchange`); None: blocking calls.
+        gathered_bytes: the largest chunk gathered whole (one collective, not
+            two); 0 where ``comm`` spans hosts, where a gathered chunk crosses
+            the links ``size - 1`` times, twice what a ring sends at 4 hosts.
+            Never with ``across``: every rank of the host would send all of
+            the host's sum across.
     """
 
     def __init__(self, comm: MPI.Comm, dtype: Any, chunk_bytes: int = CHUNK_BYTES,
-                 across: Summer | None = None, wait: Callable[[MPI.Request], None] | None = None) -> None:
+                 across: Summer | None = None, wait: Callable[[MPI.Request], None] | None = None,
+                 gathered_bytes: int = GATHERED_SUM_BYTES) -> None:
         self.comm = comm
+        self.gathered_bytes = 0 if across is not None else gathered_bytes
         self._moves = Exchange(comm, wait)
         self.across = across
         self.dtype = np.dtype(dtype)
@@ -161,7 +168,7 @@ class OrderedSum:
             if scale != 1.0:
                 _scale(chunk, scale)
             return 0
-        if chunk.nbytes <= GATHERED_SUM_BYTES or n < size:
+        if chunk.nbytes <= self.gathered_bytes or n < size:
             return self._gathered(chunk, scale)
         block = n // size
         body = chunk[: block * size]  # equal blocks: MPICH's Allgatherv is far slower than its Allgather
@@ -330,9 +337,10 @@ class Summers:
         return made
 
     def _ordered(self, dtype: Any, chunk_bytes: int) -> OrderedSum:
-        if self.node is None or self.across is None:
-            return OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait)
-        across = OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait)
+        if self.node is None or self.across is None:  # small chunks gathered whole on one host only
+            return OrderedSum(self.comm, dtype, chunk_bytes, wait=self.wait,
+                              gathered_bytes=GATHERED_SUM_BYTES if self.count == 1 else 0)
+        across = OrderedSum(self.across, dtype, chunk_bytes, wait=self.wait, gathered_bytes=0)
         return OrderedSum(self.node, dtype, chunk_bytes, across=across, wait=self.wait)
 
     def cast(self, dtype: Any, compression: Compression, predivide: float | None = None,

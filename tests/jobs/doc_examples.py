@@ -1,21 +1,32 @@
-"""Run documentation examples on every rank, in order, each in a fresh namespace.
+"""Run documentation examples on every rank, in order, each in a fresh namespace, then check what it claims.
 
 ``python tests/jobs/doc_examples.py IN.json OUT.json``: IN holds a list of
-``{"id": ..., "code": ...}``; OUT (written by rank 0) maps each id to the
-errors of the ranks where it raised ("" when it ran everywhere). Every
-reducer or optimizer an example leaves alive is freed after it, in the same
-order on every rank. A line "example <id>" on stdout marks the start of each:
-when an example hangs, the test names the last one started.
+``{"id": ..., "path": ..., "code": ...}``; OUT (written by rank 0) maps
+each id to the errors of the ranks where it raised or where its check
+(``tests/docclaims.py``) failed ("" when it ran and held everywhere).
+Before each example numpy's and torch's global generators are seeded
+differently on every rank; what it prints is captured per rank for its
+check. Every reducer or optimizer an example leaves alive is freed after
+it, in the same order on every rank. A line "example <id>" on stdout marks
+the start of each: when an example hangs, the test names the last one
+started.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
+import os
 import sys
 import traceback
 
+import numpy as np
 from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/, for docclaims
+from docclaims import Spy, claims_of  # noqa: E402
 
 
 def _free_leftovers(namespace: dict) -> None:
@@ -28,6 +39,15 @@ def _free_leftovers(namespace: dict) -> None:
             free()
 
 
+def _seed(code: str, rank: int) -> None:
+    """Different global random streams on every rank, as a real job's ranks would have."""
+    np.random.seed(1000 + rank)
+    if "import torch" in code:
+        import torch
+
+        torch.manual_seed(1000 + rank)
+
+
 def main() -> None:
     comm = MPI.COMM_WORLD
     with open(sys.argv[1]) as f:
@@ -38,12 +58,27 @@ def main() -> None:
             print(f"example {block['id']}", flush=True)
         namespace = {"__name__": "__main__"}
         error = ""
+        printed = io.StringIO()
+        spy = Spy()
         try:
-            exec(compile(block["code"], block["id"], "exec"), namespace)
-            _free_leftovers(namespace)
+            _seed(block["code"], comm.rank)
+            with spy.watching(), contextlib.redirect_stdout(printed):
+                exec(compile(block["code"], block["id"], "exec"), namespace)
         except BaseException:
             error = traceback.format_exc(limit=-3)
-        del namespace
+        if comm.allreduce(int(not error), op=MPI.MIN):  # ran everywhere: every rank checks (collectives)
+            claims = claims_of(block["path"], block["code"])
+            try:
+                assert len(claims) == 1, f"{len(claims)} checks for this example (tests/docclaims.py)"
+                claims[0].check(namespace, printed.getvalue(), spy)
+            except BaseException:
+                error = f"its check ({claims[0].what if len(claims) == 1 else 'none'}) failed:\n" + \
+                    traceback.format_exc(limit=-2)
+        try:
+            _free_leftovers(namespace)
+        except BaseException:
+            error += traceback.format_exc(limit=-3)
+        del namespace, spy
         gc.collect()
         errors = comm.gather(error, root=0)
         if comm.rank == 0:
