@@ -15,10 +15,15 @@ Run it with ``mpiexec -n 4 python -m mpi4py train.py``. Every name of
 lists the differences. Importing this module imports torch.
 
 The parts: :mod:`.context` (``init`` and topology, in one context object),
-:mod:`.ops` (reduction operations, compression), :mod:`.collectives` (the
-collectives on tensors), :mod:`.optimizer` (``DistributedOptimizer``),
-:mod:`.functions` (parameters, optimizer state, objects),
-:mod:`.process_sets` (the global one only) and :mod:`.unsupported`.
+:mod:`.negotiation` (how the ranks agree on an operation, pure),
+:mod:`.engine` (the thread every operation goes through),
+:mod:`.execute` (how each kind moves its data), :mod:`.submit` (a call
+becomes an operation), :mod:`.collectives` (the collectives on tensors),
+:mod:`.autograd`, :mod:`.ops` (reduction operations, compression),
+:mod:`.optimizer` (``DistributedOptimizer``), :mod:`.functions`
+(parameters, optimizer state, objects), :mod:`.process_sets`,
+:mod:`.sparse`, :mod:`.sync_batch_norm`, :mod:`.timeline` and
+:mod:`.unsupported`.
 """
 
 from .collectives import (
@@ -74,20 +79,14 @@ from .functions import allgather_object, broadcast_object, broadcast_optimizer_s
 from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .unsupported import (
-    HorovodInternalError,
-    SyncBatchNorm,
-    elastic,
-    run,
-    sparse_allreduce_async,
-    start_timeline,
-    stop_timeline,
-)
+from .sparse import sparse_allreduce_async
+from .submit import HorovodInternalError
+from .sync_batch_norm import SyncBatchNorm
+from .timeline import start_timeline, stop_timeline
+from .unsupported import elastic, run
 
-#: Names that exist for compatibility but raise ``NotImplementedError`` (``ProcessSet``: when constructed;
-#: ``Adasum``: when used).
-UNSUPPORTED = ("Adasum", "ProcessSet", "SyncBatchNorm", "add_process_set", "elastic", "remove_process_set", "run",
-               "sparse_allreduce_async", "start_timeline", "stop_timeline")
+#: Names that exist for compatibility but raise ``NotImplementedError`` (``Adasum``: when used).
+UNSUPPORTED = ("Adasum", "elastic", "run")
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "Product",
