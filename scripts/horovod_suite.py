@@ -283,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = run_test(name, ranks, folder, mpiexec, args.timeout)
                 summary.outcomes.append(outcome)
                 detail = f"  ({outcome.detail})" if outcome.detail else ""
+                detail = " | ".join(line.strip() for line in detail.splitlines())
                 print(f"[{ranks} ranks] {outcome.status:7} {outcome.seconds:6.1f} s  {name}{detail}", flush=True)
             summary.seconds = time.monotonic() - t0
             summaries.append(summary)
@@ -292,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"hung, {s.count('skipped')} skipped of {len(s.outcomes)} in {s.seconds:.0f} s")
             for o in s.outcomes:
                 if o.status != "passed":
-                    print(f"   {o.status}: {o.name}: {o.detail}")
+                    print(f"   {o.status}: {o.name}: " + " | ".join(line.strip() for line in o.detail.splitlines()))
             bad = bad or s.count("failed") > 0 or s.count("hung") > 0
         return 1 if bad else 0
     finally:

@@ -21,9 +21,9 @@ from mpi4py import MPI
 from .._core import groups
 from .engine import Engine
 
-__all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-           "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-           "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+__all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
+           "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+           "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
 
 #: Horovod's words, and ours: the type is Horovod's (``ValueError``).
 NOT_INITIALIZED = ("Horovod has not been initialized; use hvd.init(). (mpi_gradreducer.horovod: call hvd.init() "

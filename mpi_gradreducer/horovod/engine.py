@@ -29,7 +29,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .execute import Execution, Local, build
-from .negotiation import JOIN, Coordinator, Request, Response
+from .negotiation import Coordinator, Request, Response
 
 __all__ = ["Engine", "Handle", "Op", "NAP_SECONDS", "WAIT_NAP_SECONDS"]
 

@@ -171,6 +171,11 @@ def _half_sum(comm: MPI.Intracomm, buf: np.ndarray, scale: float, out: list[Any]
     return [exchange, share]
 
 
+def _together(steps: list[Step]) -> Step:
+    """One step that starts ``steps``'s calls."""
+    return lambda: [r for step in steps for r in step()]
+
+
 def _allreduce(comm: MPI.Intracomm, response: Response, local: Local | None) -> Execution:
     size = comm.Get_size()
     ref = response.reference()
@@ -206,7 +211,7 @@ def _allreduce(comm: MPI.Intracomm, response: Response, local: Local | None) -> 
     scale = (post / size) if ref.op == AVERAGE else post
     halves_steps = [_half_sum(comm, bufs[i], scale, outputs, i) for i in halves]
     for k in range(2):  # the halves' exchanges together, then their shares together
-        steps.append(lambda k=k: [r for hs in halves_steps for r in hs[k]()])
+        steps.append(_together([hs[k] for hs in halves_steps]))
     steps.append(finish)
     execution = Execution(steps)
     execution.outputs = outputs

@@ -86,7 +86,8 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
     what = "hvd.broadcast_optimizer_state"
     me = current(what).comm.Get_rank()
     inner = optimizer.optimizer if isinstance(optimizer, mgr_torch.DistributedOptimizer) else optimizer
-    layout, tensors = None, []
+    layout: Any = None
+    tensors: list[torch.Tensor] = []
     error: Exception | None = None
     try:
         if not isinstance(inner, torch.optim.Optimizer):

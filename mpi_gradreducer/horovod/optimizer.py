@@ -32,7 +32,7 @@ import torch
 from mpi4py import MPI
 
 from .. import torch as mgr_torch
-from .._core.sparse import RowSparse, allgather_rowsparse
+from .._core.sparse import allgather_rowsparse
 from .collectives import check
 from .context import current
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
@@ -129,7 +129,7 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         self._sparse: dict[int, torch.Tensor] = {}  # sparse gradients of this step, set aside
         self._sparse_dims: dict[int, int] = {}  # their sparse dimensions
         self._found: list[tuple[int, int]] = []  # (parameter, sparse dimensions) sparse on some rank
-        self._had_sparse: set[int] = set()  # parameters with sparse gradients last step
+        self._had_sparse: dict[int, int] = {}  # parameters with sparse gradients last step: sparse dimensions
         self._skipping = False
         me = weakref.ref(self)
         self._sparse_hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(me, i))
@@ -172,10 +172,8 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         super().zero_grad(set_to_none)
         self._sparse.clear()
         if not set_to_none:
-            for i in self._had_sparse:
-                p = self._sparse_params[i]
-                p.grad = torch.sparse_coo_tensor(torch.zeros((1, 0), dtype=torch.int64), torch.zeros(
-                    (0, *p.shape[1:]), dtype=p.dtype), p.shape).to(p.device)
+            for i, dims in self._had_sparse.items():
+                self._sparse_params[i].grad = _empty_sparse(self._sparse_params[i], dims)
 
     def synchronize(self) -> None:
         """Finish the reduction (see the wrapped class); sparse gradients are then gathered (collective).
@@ -194,6 +192,7 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
             self._found = []
             raise
         found, self._found = self._found, []
+        self._had_sparse = dict(found)
         if found:
             self._finish_sparse(found)
 
@@ -254,7 +253,6 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
             self._sparse.clear()
             raise RuntimeError(f"{_WHAT}: sparse gradients cannot be gathered while a rank is in join() (it takes "
                                "part in the dense reduction only): pass sparse_as_dense=True to reduce them dense")
-        self._had_sparse = {i for i, _ in found}
         size = self.comm.Get_size()
         for i, dims in found:
             p = self._sparse_params[i]
@@ -264,13 +262,18 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                 continue
             mine = self._sparse.pop(i, None)
             if mine is None:  # unused here: no rows
-                mine = torch.sparse_coo_tensor(torch.zeros((dims, 0), dtype=torch.int64),
-                                               torch.zeros((0, *p.shape[dims:]), dtype=p.dtype), p.shape)
+                mine = _empty_sparse(p, dims).cpu()
             gathered = allgather_rowsparse(self.comm, to_rowsparse(mine))
             like = mine if mine.sparse_dim() == dims else mine.to_dense().to_sparse(dims)
             result = from_rowsparse(gathered, like, float(size) if self.op == ReduceOp.Average else 1.0)
             p.grad = result if p.grad is None else p.grad + result  # dense on some rank: summed with it
         self._sparse.clear()
+
+
+def _empty_sparse(p: torch.Tensor, dims: int) -> torch.Tensor:
+    """A sparse zero like ``p``'s gradient, with ``dims`` sparse dimensions."""
+    return torch.sparse_coo_tensor(torch.zeros((dims, 0), dtype=torch.int64), torch.zeros((0, *p.shape[dims:]),
+                                   dtype=p.dtype), p.shape, check_invariants=False).to(p.device)
 
 
 def _sparse_hook(me: weakref.ReferenceType[DistributedOptimizer], i: int) -> Callable[[torch.Tensor], None]:

@@ -98,13 +98,13 @@ class _GlobalProcessSet(ProcessSet):
     def __init__(self) -> None:
         pass
 
-    @property  # type: ignore[override]
-    def ranks(self) -> list[int] | None:
-        """Every rank, once initialized."""
-        from .context import _Session
+    def __getattribute__(self, name: str) -> Any:
+        if name == "ranks":  # every rank, once initialized
+            from .context import _Session
 
-        ctx = _Session.context
-        return None if ctx is None else list(ctx.sets[0].ranks)
+            ctx = _Session.context
+            return None if ctx is None else list(ctx.sets[0].ranks)
+        return super().__getattribute__(name)
 
     def __str__(self) -> str:
         return "global_process_set"
@@ -161,6 +161,7 @@ def _register(ps: ProcessSet, ranks: tuple[int, ...]) -> ProcessSet:
     ctx = current("hvd.add_process_set")
     me = ctx.comm.Get_rank()
     comm = ctx.comm.Split(0 if me in ranks else MPI.UNDEFINED, key=me)
+    assert isinstance(comm, MPI.Intracomm)  # mpi4py's stubs say Comm
     set_id = ctx.next_id
     ctx.next_id += 1
     if comm != MPI.COMM_NULL:
@@ -181,10 +182,10 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     from .collectives import check
 
     ctx = current("hvd.remove_process_set")
-    set_id = getattr(process_set, "process_set_id", None)
-    known = isinstance(set_id, int) and set_id != 0 and set_id in ctx.sets
-    check("hvd.remove_process_set", [("process_set_id", (set_id if known else -1,))])
-    if not known:
+    given = getattr(process_set, "process_set_id", None)
+    set_id = given if isinstance(given, int) and given != 0 and given in ctx.sets else -1
+    check("hvd.remove_process_set", [("process_set_id", (set_id,))])
+    if set_id < 0:
         return False
     info = ctx.sets.pop(set_id)
     if info.member:
