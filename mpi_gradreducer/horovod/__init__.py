@@ -19,6 +19,7 @@ The parts: :mod:`.context` (``init`` and topology, in one context object),
 :mod:`.engine` (the thread every operation goes through),
 :mod:`.execute` (how each kind moves its data), :mod:`.submit` (a call
 becomes an operation), :mod:`.collectives` (the collectives on tensors),
+:mod:`.agreement` (``join``, ``barrier``: operations without data),
 :mod:`.autograd`, :mod:`.ops` (reduction operations, compression),
 :mod:`.optimizer` (``DistributedOptimizer``), :mod:`.functions`
 (parameters, optimizer state, objects), :mod:`.process_sets`,
@@ -26,6 +27,7 @@ becomes an operation), :mod:`.collectives` (the collectives on tensors),
 :mod:`.unsupported`.
 """
 
+from .agreement import barrier, join
 from .collectives import (
     allgather,
     allgather_async,
@@ -35,7 +37,6 @@ from .collectives import (
     allreduce_async_,
     alltoall,
     alltoall_async,
-    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
@@ -48,7 +49,6 @@ from .collectives import (
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
-    join,
     poll,
     reducescatter,
     reducescatter_async,

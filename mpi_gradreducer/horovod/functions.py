@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from .. import torch as mgr_torch
-from .collectives import check, grouped_broadcast_
+from .agreement import check
+from .collectives import grouped_broadcast_
 from .context import SetInfo, current
 from .execute import Local
 from .process_sets import global_process_set

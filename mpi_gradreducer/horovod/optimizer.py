@@ -33,7 +33,7 @@ from mpi4py import MPI
 
 from .. import torch as mgr_torch
 from .._core.sparse import allgather_rowsparse
-from .collectives import check
+from .agreement import check
 from .context import current
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import global_process_set

@@ -131,7 +131,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         NotImplementedError: a set made from a communicator (give its ranks;
             communicators are taken by ``init``), on every rank.
     """
-    from .collectives import check
+    from .agreement import check
 
     ctx = current("hvd.add_process_set")
     what = "hvd.add_process_set"
@@ -179,7 +179,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         Whether it was removed: False for the global set or a set not added
         (on every rank alike). Its operations still in flight fail.
     """
-    from .collectives import check
+    from .agreement import check
 
     ctx = current("hvd.remove_process_set")
     given = getattr(process_set, "process_set_id", None)

@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from .._core.timeline import Timeline
-from .collectives import check
+from .agreement import check
 from .context import current
 
 __all__ = ["start_timeline", "stop_timeline"]
