@@ -11,6 +11,7 @@ Example::
 """
 
 from ._core.groups import broadcast_parameters, create_group, local_rank, select_device
+from ._core.options import Options
 from ._core.planning import Bucket
 from ._core.powersgd import PowerSGD
 from ._core.shard import Piece, Shard
@@ -25,6 +26,7 @@ __version__ = "0.6.0"
 __all__ = [
     "Bucket",
     "DistributedGradReducer",
+    "Options",
     "Piece",
     "PowerSGD",
     "ReducerStats",

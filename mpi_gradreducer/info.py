@@ -19,8 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from ._core import config
-from ._core.groups import processor_names
+from ._core import options
+from ._core.topology import Topology
 
 __all__ = ["collect", "format_report", "main"]
 
@@ -41,11 +41,11 @@ def collect(comm: MPI.Intracomm | None = None) -> dict[str, Any]:
         ``mpi_standard``, ``thread_level``, ``cuda_aware``, ``cuda_aware_source``,
         ``cupy``, ``cupy_devices``, ``rank``, ``ranks``, ``hosts`` (host name to
         its ranks, in rank order), ``nodes`` and ``ranks_per_node`` (one count
-        per shared-memory node, by ``Split_type(COMM_TYPE_SHARED)``).
+        per host: ranks that share memory and a processor name).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     try:
-        cuda_aware, cuda_source = config.cuda_aware_default()
+        cuda_aware, cuda_source = options.cuda_aware_default()
     except ValueError as exc:  # a malformed override: say so instead of failing
         cuda_aware, cuda_source = None, str(exc)
     cupy_version, cupy_devices = _cupy()
@@ -148,25 +148,14 @@ def _cupy() -> tuple[str | None, Any]:
 
 def _placement(comm: MPI.Intracomm) -> dict[str, Any]:
     """Host names and shared-memory nodes of all ranks, gathered buffer-based."""
-    size = comm.Get_size()
+    topology = Topology.of(comm)
     hosts: dict[str, list[int]] = {}
-    for r, host in enumerate(processor_names(comm)):
-        hosts.setdefault(host, []).append(r)
-
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        # A node is named by the rank (in comm) of its first member.
-        leader = np.array([comm.Get_rank()], dtype=np.int64)
-        node.Bcast(leader, root=0)
-    finally:
-        node.Free()
-    leaders = np.empty(size, dtype=np.int64)
-    comm.Allgather(leader, leaders)
-    first, counts = np.unique(leaders, return_counts=True)
+    for r, name in enumerate(topology.names):
+        hosts.setdefault(name, []).append(r)
     return {
         "hosts": hosts,
-        "nodes": int(first.size),
-        "ranks_per_node": [int(c) for c in counts],
+        "nodes": topology.hosts,
+        "ranks_per_node": [len(topology.ranks_on(h)) for h in range(topology.hosts)],
     }
 
 

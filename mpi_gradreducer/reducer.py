@@ -9,22 +9,34 @@ from typing import Any
 
 from mpi4py import MPI
 
-from ._core import config, control, paths, shard
+from ._core import control, paths, shard
 from ._core.call import Call, close, open_call, settle
 from ._core.compression import get_compression
-from ._core.config import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from ._core.fusion import distinct_caps, plan_for
 from ._core.hosts import Hosts
 from ._core.instrument import Instrument, ReducerStats
 from ._core.lowrank import LowRankPath
+from ._core.options import Options, agree as resolve_options, decide_progress
+from ._core.planning import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
 from ._core.polling import Polling
-from ._core.powersgd import PowerSGD
 from ._core.replay import Replay
 from ._core.steps import Overlap, ReductionStep
+from ._core.topology import Topology
 from ._core.tuning import CANDIDATE_BUCKET_BYTES, BucketTuner
 from ._core.validation import Checked, check_grads
 
 __all__ = ["DistributedGradReducer", "ReducerStats", "DEFAULT_BUCKET_BYTES", "DIRECT_BYTES"]
+
+
+class _Default:
+    """The value of an argument that was not given: the field of ``options`` applies."""
+
+    def __repr__(self) -> str:
+        return "<from options>"
+
+
+#: An argument left to ``options`` (its field, or the field's default).
+DEFAULT = _Default()
 
 
 class DistributedGradReducer:
@@ -37,124 +49,63 @@ class DistributedGradReducer:
     ``ValueError`` on every rank). Each call is collective too.
 
     Args:
-        parameters: arrays (numpy or cupy) whose count, shapes, dtypes and
-            order fix the reduction plan.
-        mean: multiply the sums by ``1 / degree``.
-        degree: the divisor for ``mean``; defaults to the size of ``group``.
+        parameters: arrays (numpy or cupy, or any array they can view) whose
+            count, shapes, dtypes and order fix the reduction plan.
+        mean: multiply the sums by ``1 / degree`` (:attr:`Options.mean`).
+        degree: the divisor for ``mean``; default: the number of ranks that
+            contribute (:attr:`Options.degree`).
         fusion_type: fusion id of every parameter (0: never fused).
         group: an mpi4py intracommunicator; default ``MPI.COMM_WORLD``. The
             reducer works on its own duplicate of it.
-        fusion: one fusion id per parameter, instead of ``fusion_type``.
-        split_indices: inclusive end indices of consecutive fusion groups
-            (MindSpore's ``all_reduce_fusion_config``).
-        bucket_bytes: cap on a fused bucket, in bytes, or ``"auto"``: the
-            first blocking calls try a few caps (512 KiB to 32 MiB), and the
-            one that was fastest on the slowest rank is kept (the same on every
-            rank). Call ``allocate_grads`` after that if you use it.
-        skip: one bool per parameter; True leaves that gradient untouched
-            (MindSpore's layer-wise-parallel and parameter-server parameters).
-        validate: how much each rank checks its gradients before the ranks
-            agree (always, in the call header, before any caller's array is
-            modified): ``"always"`` everything on every call, including
-            whether two gradients share memory; ``"first"`` that aliasing
-            check on the first call only; ``"never"`` not at all.
-        timeout: seconds a collective may take before the watchdog prints a
-            diagnostic and aborts the job; None disables it. Default: the
-            ``MPI_GRADREDUCER_TIMEOUT`` environment variable, else 1800.
-        stall_warning: seconds a collective may wait before every waiting
-            rank prints the ranks that have not arrived (``missing ranks: 2``)
-            and what they are doing, and goes on waiting; None disables it.
-            Default: the ``MPI_GRADREDUCER_STALL_WARNING`` environment
-            variable (seconds or ``none``), else 60.
-        check_finite: find out on each call whether any rank's gradients held
-            NaN or Inf; the answer is :attr:`nonfinite`.
-        cuda_aware: for cupy arrays, hand device buffers straight to MPI
-            (True) or stage them through pinned host buffers (False). Default:
-            the environment variable ``MPI_GRADREDUCER_CUDA_AWARE``, else what
-            the MPI library says (see ``python -m mpi_gradreducer.info``).
-        progress: how buckets launched by ``begin``/``reduce_async`` advance
-            while the caller computes: ``"thread"``, on a communication thread
-            (needs ``MPI_THREAD_MULTIPLE``); ``"deferred"``, all in ``wait()``
-            (no overlap, no thread: the blocking call's speed); ``"auto"``
-            (default): a thread when MPI grants ``MPI_THREAD_MULTIPLE`` and
-            every rank on a node has at least two cores, else deferred (a
-            busy-waiting MPI thread on a shared core slows the computation
-            more than it hides).
-        timeline: a file name: record pack, allreduce and unpack of every
-            bucket on every rank, and write them, merged by rank 0, as a Chrome
-            trace-event file when the reducer is freed (open it in Perfetto
-            or ``chrome://tracing``). Default: ``MPI_GRADREDUCER_TIMELINE``.
-        compression: ``"fp16"`` or ``"bf16"``: float32/float64 gradients
-            travel as 16-bit floats, each rank summing one slice in float32
-            (``"bf16"`` needs ``ml_dtypes``); a :class:`~.powersgd.PowerSGD`:
-            large gradient matrices travel as low-rank products, with error
-            feedback (:meth:`state_dict` holds its state; ``reduce_scatter``
-            is refused); None (default): no compression.
-        predivide: with compression, divide by this factor before the sum and
-            multiply after (default: the number of ranks for fp16, 1 for bf16).
-        coalesce: sort the rows of reduced ``RowSparse`` gradients and sum
-            repeated rows.
-        deterministic: sum every element of the dense host buckets in rank
-            order, ``((g0 + g1) + g2) + ...``, in the gradient's dtype
-            (float32 for 16-bit floats), then scale it: the results are then
-            bitwise the same whatever ``bucket_bytes`` (``"auto"`` included),
-            fusion layout, bucket views or ordinary arrays, blocking or
-            asynchronous call, and MPI library. Host parameters only.
+        options: every option in one object (:class:`~mpi_gradreducer.Options`);
+            default ``Options()``.
+        **more: any field of :class:`~mpi_gradreducer.Options` by name
+            (``compression="fp16"``, ``bucket_bytes="auto"``, ...); these and
+            ``mean``, ``degree`` and ``fusion_type``, where given, replace the
+            fields of ``options``.
 
     Raises:
-        ValueError: a bad argument, or parameters that differ across ranks.
-        TypeError: an argument of the wrong type, or an unsupported dtype.
+        ValueError: a bad option, or parameters that differ across ranks.
+        TypeError: an argument of the wrong type, an unsupported dtype, or a
+            keyword that is not an option.
     """
 
     def __init__(
         self,
         parameters: Iterable[Any],
-        mean: bool = True,
-        degree: int | None = None,
-        fusion_type: int = 1,
+        mean: bool | _Default = DEFAULT,
+        degree: int | None | _Default = DEFAULT,
+        fusion_type: int | _Default = DEFAULT,
         group: MPI.Intracomm | None = None,
         *,
-        fusion: Sequence[int] | None = None,
-        split_indices: Sequence[int] | None = None,
-        bucket_bytes: int | str = DEFAULT_BUCKET_BYTES,
-        skip: Sequence[bool] | None = None,
-        validate: str = "always",
-        timeout: float | None | str = "env",
-        check_finite: bool = False,
-        cuda_aware: bool | None = None,
-        timeline: str | None = None,
-        compression: str | PowerSGD | None = None,
-        predivide: float | None = None,
-        coalesce: bool = False,
-        progress: str = "auto",
-        stall_warning: float | None | str = "env",
-        deterministic: bool = False,
+        options: Options | None = None,
+        **more: Any,
     ) -> None:
+        given = {k: v for k, v in (("mean", mean), ("degree", degree), ("fusion_type", fusion_type))
+                 if v is not DEFAULT}
+        asked = (Options() if options is None else options).replace(**more, **given)
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
         self._comm = comm.Dup()
         try:
-            self._specs, self.options = config.agree(self._comm, parameters, dict(
-                mean=mean, degree=degree, fusion_type=fusion_type, fusion=fusion, split_indices=split_indices,
-                bucket_bytes=bucket_bytes, skip=skip, validate=validate, timeout=timeout,
-                check_finite=check_finite, cuda_aware=cuda_aware, timeline=timeline, compression=compression,
-                predivide=predivide, coalesce=coalesce, progress=progress, stall_warning=stall_warning,
-                deterministic=deterministic))
-            self.progress = config.decide_progress(self._comm, self.options.progress)
+            self._specs, self.options = resolve_options(self._comm, parameters, asked)
+            self._topology = Topology.of(self._comm)
+            self.progress = decide_progress(self._comm, self._topology, self.options.progress)
         except BaseException:
             self._comm.Free()
             raise
         options = self.options
-        self.mean, self.degree, self.validate = options.mean, options.degree, options.validate
+        self.mean, self.validate = options.mean, options.validate
+        self.degree = options.divisor(self._comm.Get_size())
         self.check_finite, self.cuda_aware, self.coalesce = options.check_finite, options.cuda_aware, options.coalesce
         self._instrument = Instrument(self._comm, options)
         self.stats = self._instrument.stats
-        self._compression = get_compression(options.compression)
+        self._compression = get_compression(options.wire_format)
         #: How the communication thread waits for its collectives (None: no thread, blocking calls).
         self._polling = Polling() if self.progress == "thread" else None
         #: Which ranks share a host; across hosts, sums in two levels (not with ``deterministic``).
-        self._hosts = Hosts(self._comm, two_levels=not options.deterministic,
+        self._hosts = Hosts(self._comm, self._topology, two_levels=not options.deterministic,
                             wait=None if self._polling is None else self._polling.wait)
         self._tuner: BucketTuner | None = None
         #: PowerSGD's path and state (None without it); kept when the tuner changes the plan.
@@ -162,12 +113,12 @@ class DistributedGradReducer:
             if options.powersgd is not None else None
         self._local = MPI.COMM_SELF.Dup()  # local copies: the buckets' (transport.Gather), the replay's
         self._replay = Replay(self._local)
-        if options.bucket_bytes is None:
+        if options.cap is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES,
                                                     compressed=not self._hosts.casts_across))
             self._build_plan(self._tuner.current())
         else:
-            self._build_plan(options.bucket_bytes)
+            self._build_plan(options.cap)
         #: With ``check_finite``: whether the last call's results held NaN or Inf (on any rank).
         self.nonfinite = False
         #: How many ranks contributed to the last call (the same on every rank; see ``join``).

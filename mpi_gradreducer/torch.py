@@ -48,6 +48,7 @@ import torch
 from mpi4py import MPI
 
 from ._core import agreement, backend, groups, interop, planning
+from ._core.options import Options
 from ._core.rendezvous import tcp_rendezvous
 from ._core.shard import Shard
 from ._core.steps import ReductionStep
@@ -83,11 +84,13 @@ class DistributedOptimizer:
             (every param group).
         backward_passes_per_step: backward passes accumulated locally before
             the gradients are reduced (each ``step()``).
-        **reducer_options: any option of
-            :class:`~mpi_gradreducer.DistributedGradReducer` (``group``,
-            ``progress``, ``bucket_bytes``, ``compression``, ...). Per-parameter
-            options (``fusion``, ``skip``, ``split_indices``) count the
-            parameters that require grad, in param-group order.
+        group: the reducer's communicator (default ``MPI.COMM_WORLD``).
+        options: the reducer's options (:class:`~mpi_gradreducer.Options`).
+            Per-parameter options (``fusion``, ``skip``, ``split_indices``)
+            count the parameters that require grad, in param-group order.
+        **more: any field of :class:`~mpi_gradreducer.Options` by name
+            (``progress``, ``bucket_bytes``, ``compression``, ...), replacing
+            that of ``options``.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer.
@@ -96,10 +99,10 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, backward_passes_per_step: int = 1,
-                 **reducer_options: Any) -> None:
+                 group: MPI.Intracomm | None = None, *, options: Options | None = None, **more: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        group = reducer_options.get("group")
+        asked = (Options() if options is None else options).replace(**more)
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
@@ -110,14 +113,14 @@ class DistributedOptimizer:
         self._params: list[torch.Tensor] = [optimizer.param_groups[g]["params"][j] for g, j in where]
         self._names = [f"param_groups[{g}]['params'][{j}]" for g, j in where]
         error: BaseException | None = None
-        options: dict[str, Any] = {}
+        flagged = asked
         try:
             if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
                     or backward_passes_per_step < 1:
                 raise ValueError(f"backward_passes_per_step: expected an int >= 1, got {backward_passes_per_step!r}")
             if not self._params:
                 raise ValueError("optimizer: expected parameters that require grad, got none")
-            options = _with_flags(len(self._params), reducer_options)
+            flagged = _with_flags(len(self._params), asked)
         except (TypeError, ValueError) as exc:
             error = exc
         agreement.raise_if_any(comm, error)
@@ -128,9 +131,10 @@ class DistributedOptimizer:
         flags = torch.zeros(len(self._params) + len(MISUSES) * size + self._side_flags(), dtype=first.dtype,
                             device=first.device)
         #: The underlying DistributedGradReducer; its first gradient is the flags, then one per parameter.
-        self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], **options)
+        self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], group=comm,
+                                              options=flagged)
         self._size, self._rank = size, rank
-        self._skip = tuple(self.reducer.options.skip[1:])
+        self._skip = self.reducer.options.skipped[1:]
         # With a communication thread, buckets are launched during backward (begin/ready); otherwise nothing
         # would advance before step(), which then makes one blocking call: fewer messages, and no rank spins in
         # MPI for the header while the others still compute.
@@ -496,23 +500,18 @@ def _dense(t: torch.Tensor) -> bool:
     return t.layout == torch.strided
 
 
-def _with_flags(count: int, options: dict[str, Any]) -> dict[str, Any]:
+def _with_flags(count: int, options: Options) -> Options:
     """The reducer's options for the flags followed by ``count`` parameters (local; raises on bad options).
 
     The flags take the fusion id of the first parameter, so that they ride
     in its bucket (the last one launched), and are never skipped.
     """
-    options = dict(options)
-    ids = planning.fusion_ids(count, options.pop("fusion_type", 1), options.pop("fusion", None),
-                              options.pop("split_indices", None))
-    options["fusion"] = [ids[0], *ids]
-    skip = options.pop("skip", None)
-    if skip is not None:
-        skip = list(skip)
-        if len(skip) != count:
-            raise ValueError(f"skip: expected {count} bools (one per parameter that requires grad), got {len(skip)}")
-        options["skip"] = [False, *skip]
-    return options
+    ids = planning.fusion_ids(count, options.fusion_type, options.fusion, options.split_indices)
+    skip = None if options.skip is None else list(options.skip)
+    if skip is not None and len(skip) != count:
+        raise ValueError(f"skip: expected {count} bools (one per parameter that requires grad), got {len(skip)}")
+    return options.replace(fusion_type=1, fusion=(ids[0], *ids), split_indices=None,
+                           skip=None if skip is None else (False, *skip))
 
 
 def _as_tensor(view: Any, like: torch.Tensor) -> torch.Tensor:

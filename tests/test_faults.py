@@ -249,7 +249,7 @@ def test_mismatched_models_raise_on_every_rank():
     expected = {
         "shape": r"parameter 1 is shape \(4,\) float32 .* at rank 0 but shape \(2, 2\) float32 .* at rank 3",
         "dtype": r"parameter 0 is shape \(3, 2\) float32 .* at rank 0 but shape \(3, 2\) float64 .* at rank 1",
-        "count": r"the configuration is \(parameters=3, .* at rank 0 but \(parameters=4, .* at rank 3",
+        "count": r"the number of parameters is 3 at rank 0 but 4 at rank 3",
         "order": r"parameter 0 is shape \(3, 2\) float32 .* at rank 0 but shape \(2, 2, 2\) float32 .* at rank 2",
     }
     for kind, pattern in expected.items():

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import WORLD, assert_same_on_all_ranks, expected_mean, rank_value
 from mpi_gradreducer import DistributedGradReducer
-from mpi_gradreducer._core.config import cuda_aware_default as cuda_support
+from mpi_gradreducer._core.options import cuda_aware_default as cuda_support
 
 pytestmark = [pytest.mark.mpi, pytest.mark.gpu]
 

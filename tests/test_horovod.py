@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from conftest import HAS_TORCH, WORLD, assert_same_on_all_ranks, run_job
-from mpi_gradreducer._core.groups import processor_names
+from mpi_gradreducer._core.topology import processor_names
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
 SCRIPT = os.path.join(ROOT, "scripts", "train_horovod.py")

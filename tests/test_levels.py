@@ -18,6 +18,7 @@ from conftest import WORLD
 from mpi_gradreducer import DistributedGradReducer
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.hosts import Hosts
+from mpi_gradreducer._core.topology import Topology
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -27,7 +28,7 @@ COUNTS = (3, 1000, 40_003, 300_000)
 
 @pytest.fixture
 def hosts():
-    made = Hosts(WORLD)
+    made = Hosts(WORLD, Topology.of(WORLD))
     yield made
     made.free()
 
@@ -150,7 +151,7 @@ def test_reducer_means_are_the_same_bits_however_called(views: bool, compression
 def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: str):
     """Decided from the processor names of the communicator's ranks: the same answer on every rank."""
     from mpi_gradreducer import create_group
-    from mpi_gradreducer._core.groups import processor_names
+    from mpi_gradreducer._core.topology import processor_names
 
     size = WORLD.Get_size()
     ranks = {"all": range(size), "first three": range(min(3, size)), "even ranks": range(0, size, 2)}[members]
@@ -161,7 +162,7 @@ def test_two_levels_only_where_every_host_holds_the_same_several_ranks(members: 
         names = processor_names(comm)
         per_host = {n: names.count(n) for n in names}
         expected = len(set(per_host.values())) == 1 and 1 < names.count(names[0]) < comm.Get_size()
-        hosts = Hosts(comm)
+        hosts = Hosts(comm, Topology.of(comm))
         assert (hosts.two_levels, hosts.count) == (expected, len(per_host))
         assert hosts.ranks_per_host == (names.count(names[0]) if len(set(per_host.values())) == 1 else None)
         hosts.free()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import WORLD
-from mpi_gradreducer import RowSparse
-from mpi_gradreducer._core import config, control, paths
+from mpi_gradreducer import Options, RowSparse
+from mpi_gradreducer._core import control, options as options_module, paths
 from mpi_gradreducer._core.call import open_call, settle as settle_call
 from mpi_gradreducer._core.compression import get_compression
 from mpi_gradreducer._core.fusion import plan_for
@@ -24,18 +24,15 @@ from mpi_gradreducer._core.instrument import Instrument
 from mpi_gradreducer._core.validation import check_grads
 
 
-def _options(specs, **kwargs: Any) -> config.Options:
-    args = dict(mean=True, degree=None, fusion_type=1, fusion=None, split_indices=None, bucket_bytes=4 << 20,
-                skip=None, validate="always", timeout=60, check_finite=False, cuda_aware=None, timeline=None,
-                compression=None, predivide=None, coalesce=False, progress="deferred", stall_warning=None)
-    args.update(kwargs)
-    return config.resolve(specs, WORLD.Get_size(), **args)
+def _options(specs, **kwargs: Any) -> Options:
+    asked = Options(timeout=60, progress="deferred", stall_warning=None).replace(**kwargs)
+    return options_module.resolve(asked, specs, WORLD.Get_size())
 
 
 def _plan(arrays: list[np.ndarray], **kwargs: Any):
-    specs = config.param_specs(arrays)
+    specs = options_module.param_specs(arrays)
     options = _options(specs, **kwargs)
-    return plan_for(specs, options, options.bucket_bytes or (4 << 20)), options
+    return plan_for(specs, options, options.cap or (4 << 20)), options
 
 
 # -- validation.check_grads, one process ---------------------------------------------------
@@ -230,7 +227,7 @@ def test_settle_names_ranks_at_different_calls_and_different_structures():
 def _context(arrays: list[np.ndarray], **kwargs: Any) -> tuple[paths.Context, list[Any]]:
     plan, options = _plan(arrays, **kwargs)
     instrument = Instrument(WORLD, options)
-    ctx = paths.Context(WORLD, plan, options, instrument, get_compression(options.compression))
+    ctx = paths.Context(WORLD, plan, options, instrument, get_compression(options.wire_format))
     return ctx, paths.assign(ctx)
 
 

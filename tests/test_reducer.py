@@ -151,8 +151,9 @@ def test_bucket_views_are_reduced_where_they_lie(comm):
 def _levels(comm) -> list[int]:
     """The ranks of each level of the reducer's rank-order sums: per host, then hosts; or all ranks at once."""
     from mpi_gradreducer._core.hosts import Hosts
+    from mpi_gradreducer._core.topology import Topology
 
-    hosts = Hosts(comm)
+    hosts = Hosts(comm, Topology.of(comm))
     try:
         return [hosts.ranks_per_host, hosts.count] if hosts.two_levels else [comm.Get_size()]  # type: ignore[list-item]
     finally:
@@ -162,8 +163,9 @@ def _levels(comm) -> list[int]:
 def _chunk_bytes(comm) -> int:
     """The bytes of one collective of the reducer's sums (smaller across hosts)."""
     from mpi_gradreducer._core.hosts import Hosts
+    from mpi_gradreducer._core.topology import Topology
 
-    hosts = Hosts(comm)
+    hosts = Hosts(comm, Topology.of(comm))
     try:
         return hosts.chunk_bytes
     finally:

@@ -16,8 +16,8 @@ from mpi4py import MPI
 
 from conftest import WORLD
 from mpi_gradreducer import local_rank
-from mpi_gradreducer._core.groups import processor_names
 from mpi_gradreducer._core.rendezvous import interface_addresses, tcp_rendezvous
+from mpi_gradreducer._core.topology import Topology, processor_names
 from mpi_gradreducer.info import collect
 
 pytestmark = pytest.mark.mpi
@@ -88,3 +88,38 @@ def test_rendezvous_address_is_reached_by_every_rank():
 def test_rendezvous_on_one_rank_is_loopback():
     meet = tcp_rendezvous(MPI.COMM_SELF)
     assert meet.address == "127.0.0.1" and meet.port > 0 and meet.url == f"tcp://127.0.0.1:{meet.port}"
+
+
+def test_topology_matches_the_launch():
+    """Hosts, local and cross ranks against what the launch made: one machine, or the cluster's hosts x ppn."""
+    topo = Topology.of(WORLD)
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    if LAYOUT is not None and size == LAYOUT[0] * LAYOUT[1]:
+        ppn = LAYOUT[1]
+        expected = tuple(r // ppn for r in range(size))  # cluster.py places ranks host by host
+    else:
+        expected = (0,) * size  # one machine: every rank shares its memory
+    assert topo.host_of == expected
+    assert (topo.hosts, topo.host, topo.local_rank) == (max(expected) + 1, expected[rank],
+                                                       expected[:rank].count(expected[rank]))
+    assert topo.ranks_per_host == (size // topo.hosts if size % topo.hosts == 0 else None)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topology_split_gives_the_host_and_the_cross_communicators():
+    topo = Topology.of(WORLD)
+    node, cross = topo.split(WORLD)
+    try:
+        members = node.allgather(WORLD.Get_rank())
+        assert members == topo.ranks_on(topo.host)  # in rank order
+        hosts = cross.allgather(topo.host)
+        assert hosts == sorted(hosts) and len(set(hosts)) == len(hosts)  # one rank per host, in host order
+        assert cross.allgather(topo.local_rank) == [topo.local_rank] * cross.Get_size()
+    finally:
+        node.Free()
+        cross.Free()
+
+
+def test_topology_of_one_rank():
+    topo = Topology.of(MPI.COMM_SELF)
+    assert (topo.size, topo.hosts, topo.local_rank, topo.local_size, topo.ranks_per_host) == (1, 1, 0, 1, 1)

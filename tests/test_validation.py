@@ -130,16 +130,14 @@ def test_models_that_differ_raise_on_every_rank_naming_rank_and_parameter():
     params = _params()
     if WORLD.Get_rank() == last:
         params.append(np.zeros(1, np.float32))
-    with pytest.raises(ValueError, match=rf"the configuration is \(parameters=3, .* at rank 0 "
-                                         rf"but \(parameters=4, .* at rank {last}"):
+    with pytest.raises(ValueError, match=rf"the number of parameters is 3 at rank 0 but 4 at rank {last}"):
         DistributedGradReducer(params)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_options_that_differ_raise_on_every_rank():
     mean = WORLD.Get_rank() != 1
-    with pytest.raises(ValueError, match=r"the configuration is \(parameters=3, bucket_bytes=\d+, mean=1.* at rank 0 "
-                                         r"but .*mean=0.* at rank 1"):
+    with pytest.raises(ValueError, match=r"the ranks disagree: option mean is True at rank 0 but False at rank 1"):
         DistributedGradReducer(_params(), mean=mean)
 
 

@@ -18,8 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import control
-from .config import Options
 from .fusion import FusionBuffer, FusionPlan, zeros
+from .options import Options
 from .sparse import RowSparse
 from .validation import Checked
 

@@ -31,7 +31,7 @@ from types import TracebackType
 from mpi4py import MPI
 
 from .abort import abort_job
-from .config import ABORT_ON_EXCEPTION_ENV
+from .options import ABORT_ON_EXCEPTION_ENV
 
 __all__ = ["UncaughtAbort", "UNCAUGHT"]
 

@@ -11,9 +11,9 @@ from mpi4py import MPI
 
 from . import backend
 from .compression import get_compression
-from .config import DIRECT_BYTES, FIRST_BUCKET_BYTES, Options
 from .dtypes import largest_finite, reduction_dtype, scaled_copy
-from .planning import Bucket, ParamSpec, make_plan
+from .options import Options
+from .planning import DIRECT_BYTES, FIRST_BUCKET_BYTES, Bucket, ParamSpec, make_plan
 from .transport import GATHER_MEMBERS, Gather
 
 __all__ = ["FusionBuffer", "FusionPlan", "distinct_caps", "join_runs", "owner", "plan_for", "zeros"]
@@ -295,7 +295,7 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
     only what crosses them is: :attr:`.Hosts.casts_across`); device halves in
     float32.
     """
-    comp = get_compression(options.compression) if compressed else None
+    comp = get_compression(options.wire_format) if compressed else None
 
     def wire_dtype(dtype: np.dtype, device: str) -> np.dtype:
         if not backend.is_host(device):
@@ -304,15 +304,15 @@ def plan_for(specs: Sequence[ParamSpec], options: Options, bucket_bytes: int,
             return comp.wire_dtype
         return np.dtype(dtype)  # host halves travel as 16 bits, summed slice by slice in float32
 
-    exclude = list(options.skip)
+    exclude = list(options.skipped)
     if options.powersgd is not None:  # its gradients are reduced by the PowerSGD path (mpi_gradreducer._core.lowrank)
-        for i in options.powersgd.compressed(specs, options.skip):
+        for i in options.powersgd.compressed(specs, options.skipped):
             exclude[i] = True
     buckets = make_plan(
         specs, options.ids, bucket_bytes, DIRECT_BYTES, reverse=True,
         first_bucket_bytes=FIRST_BUCKET_BYTES, exclude=exclude, wire_dtype=wire_dtype,
     )
-    return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skip) if not skip], local)
+    return FusionPlan(specs, buckets, [i for i, skip in enumerate(options.skipped) if not skip], local)
 
 
 def distinct_caps(specs: Sequence[ParamSpec], options: Options, caps: Sequence[int],

@@ -10,11 +10,9 @@ from mpi4py import MPI
 
 from . import agreement, backend
 from .dtypes import digest
+from .topology import Topology
 
-__all__ = ["create_group", "broadcast_parameters", "local_rank", "processor_names", "select_device"]
-
-#: Bytes of a processor name in the fixed-size gather.
-_NAME_BYTES = 256
+__all__ = ["create_group", "broadcast_parameters", "local_rank", "select_device"]
 
 
 def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI.Intracomm | None:
@@ -109,17 +107,13 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intrac
 
 
 def local_rank(comm: MPI.Intracomm | None = None) -> tuple[int, int]:
-    """This rank's index among the ranks of ``comm`` on the same node (collective).
+    """This rank's index among the ranks of ``comm`` on the same host (collective; hosts as ``Topology`` finds them).
 
     Returns:
-        ``(local_rank, ranks_on_this_node)``.
+        ``(local_rank, ranks_on_this_host)``.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        return node.Get_rank(), node.Get_size()
-    finally:
-        node.Free()
+    topology = Topology.of(MPI.COMM_WORLD if comm is None else comm)
+    return topology.local_rank, topology.local_size
 
 
 def select_device(comm: MPI.Intracomm | None = None) -> int:
@@ -146,17 +140,3 @@ def select_device(comm: MPI.Intracomm | None = None) -> int:
     device = rank % count
     cupy.cuda.Device(device).use()
     return device
-
-
-def processor_names(comm: MPI.Intracomm | None = None) -> list[str]:
-    """Every rank's processor (host) name, in rank order, on every rank (collective).
-
-    Gathered as fixed-size byte buffers: nothing is pickled.
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    name = np.zeros(_NAME_BYTES, dtype=np.uint8)
-    raw = MPI.Get_processor_name().encode()[:_NAME_BYTES]
-    name[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    table = np.empty((comm.Get_size(), _NAME_BYTES), dtype=np.uint8)
-    comm.Allgather(name, table)
-    return [row.tobytes().rstrip(b"\0").decode(errors="replace") for row in table]

@@ -25,15 +25,17 @@ import numpy as np
 from mpi4py import MPI
 
 from . import compression as wire, transport
+from .topology import Topology
 
 __all__ = ["Hosts"]
 
 
 class Hosts:
-    """The ranks of ``comm`` by host, and the communicators of a two-level sum (collective).
+    """The communicators of a two-level sum over the hosts of ``comm`` (collective).
 
     Args:
         comm: the reducer's communicator.
+        topology: its hosts.
         two_levels: allow two levels where they apply (False: always flat).
         wait: completes the summers' nonblocking data movement (see
             :class:`~mpi_gradreducer._core.transport.Exchange`); None: blocking calls.
@@ -50,29 +52,20 @@ class Hosts:
             one host, ``transport.CHUNK_BYTES_ACROSS_HOSTS`` across hosts.
     """
 
-    def __init__(self, comm: MPI.Intracomm, two_levels: bool = True,
+    def __init__(self, comm: MPI.Intracomm, topology: Topology, two_levels: bool = True,
                  wait: Callable[[MPI.Request], None] | None = None) -> None:
         self.comm, self.wait = comm, wait
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        local = node.Get_size()
-        every = comm.allgather((local, node.Get_rank() == 0))
-        even = len({n for n, _ in every}) == 1
-        self.count = sum(first for _, first in every)
-        self.ranks_per_host = local if even else None
-        self.ranks_here = local
+        self.count = topology.hosts
+        self.ranks_per_host = topology.ranks_per_host
+        self.ranks_here = topology.local_size
+        even = self.ranks_per_host is not None
         self.chunk_bytes = transport.CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
-        self.two_levels = bool(two_levels) and even and 1 < local < comm.Get_size()
+        self.two_levels = bool(two_levels) and even and 1 < self.ranks_here < comm.Get_size()
         self.casts_across = bool(two_levels) and even and self.count > 1
         self.node: MPI.Intracomm | None = None
         self.across: MPI.Intracomm | None = None
         if self.two_levels:
-            leader = node.bcast(comm.Get_rank(), root=0)  # orders the hosts the same way for every place
-            across = comm.Split(node.Get_rank(), key=leader)
-            # as split from an intracommunicator (mpi4py's stubs say Comm)
-            assert isinstance(node, MPI.Intracomm) and isinstance(across, MPI.Intracomm)
-            self.node, self.across = node, across
-        else:
-            node.Free()
+            self.node, self.across = topology.split(comm)
 
     def ordered_sum(self, dtype: Any, chunk_bytes: int | None = None, compression: wire.Compression | None = None,
                     predivide: float | None = None) -> transport.Summer:

@@ -9,7 +9,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .config import Options
+from .options import Options
 from .timeline import Timeline
 from .watchdog import Watchdog
 
@@ -57,8 +57,10 @@ class Instrument:
     def __init__(self, comm: MPI.Intracomm, options: Options) -> None:
         self.stats = ReducerStats()
         self._timeline = Timeline(comm, options.timeline) if options.timeline else None
-        self._watchdog: Watchdog | None = Watchdog(comm, options.timeout, options.stall_warning,
-                                                   hook=options.abort_on_exception)
+        timeout, stall, abort = options.timeout, options.stall_warning, options.abort_on_exception
+        assert not isinstance(timeout, str) and not isinstance(stall, str) and not isinstance(abort, str), \
+            "options not resolved"
+        self._watchdog: Watchdog | None = Watchdog(comm, timeout, stall, hook=abort)
         self._unwatched = False
 
     @contextmanager

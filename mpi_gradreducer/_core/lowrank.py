@@ -39,12 +39,13 @@ from mpi4py import MPI
 from . import agreement, backend, transport
 from .blas import BlasThreads, share_of_cores
 from .call import Call
-from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .hosts import Hosts
 from .instrument import Instrument
+from .options import Options
 from .planning import ParamSpec
 from .powersgd import PowerSGD, compute_dtype, draw_q, matrix_shape, orthonormalise
+from .topology import Topology
 
 __all__ = ["LowRankPath"]
 
@@ -128,8 +129,8 @@ class LowRankPath:
         assert options.powersgd is not None
         self.config: PowerSGD = options.powersgd
         self.comm, self.specs, self.options, self.instrument = comm, tuple(specs), options, instrument
-        self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
-        self.indices = self.config.compressed(specs, options.skip)
+        self.hosts = hosts if hosts is not None else Hosts(comm, Topology.of(comm), two_levels=False)
+        self.indices = self.config.compressed(specs, options.skipped)
         #: The number of calls made so far (the next call's number, counting from 0).
         self.iteration = 0
         keyed: dict[tuple[str, str], list[int]] = {}

@@ -29,13 +29,14 @@ from mpi4py import MPI
 
 from . import backend, compression as wire, control, transport
 from .call import Call
-from .config import Options
 from .dtypes import largest_finite, scaled_copy
 from .fusion import FusionBuffer, FusionPlan, join_runs
 from .hosts import Hosts
 from .instrument import Instrument
+from .options import Options
 from .sparse import allgather_rowsparse
 from .staging import StagingPipeline, reduce_direct
+from .topology import Topology
 
 __all__ = ["HEAD_BYTES", "Context", "assign", "run"]
 
@@ -55,7 +56,7 @@ class Context:
                  compression: wire.Compression | None = None, hosts: Hosts | None = None) -> None:
         self.comm, self.plan, self.options, self.instrument = comm, plan, options, instrument
         #: Which ranks share a host: it makes the summers (two levels across hosts); flat without it.
-        self.hosts = hosts if hosts is not None else Hosts(comm, two_levels=False)
+        self.hosts = hosts if hosts is not None else Hosts(comm, Topology.of(comm), two_levels=False)
         self.compression = compression
         #: The compression that only the sums across hosts take (:attr:`.Hosts.casts_across`; the buckets are
         #: then uncompressed).

@@ -16,10 +16,22 @@ from .dtypes import reduction_dtype
 
 __all__ = [
     "Bucket",
+    "DEFAULT_BUCKET_BYTES",
+    "DIRECT_BYTES",
+    "FIRST_BUCKET_BYTES",
     "ParamSpec",
     "fusion_ids",
     "make_plan",
 ]
+
+#: Cap on a fused bucket (the ``bucket_bytes`` option's default). See docs/performance.rst for the measurement.
+DEFAULT_BUCKET_BYTES = 4 << 20
+#: Parameters from this size up travel alone and, when contiguous, are reduced
+#: in place without a copy: packing them costs more than a separate message.
+DIRECT_BYTES = 1 << 20
+#: Cap on the first bucket (in backward order), so that overlapped
+#: communication starts early, as PyTorch DDP does.
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ from typing import NamedTuple
 import numpy as np
 from mpi4py import MPI
 
+from .topology import Topology
+
 __all__ = ["Rendezvous", "interface_addresses", "tcp_rendezvous"]
 
 _SIOCGIFADDR = 0x8915
@@ -98,10 +100,7 @@ def tcp_rendezvous(comm: MPI.Intracomm | None = None) -> Rendezvous:
             routable from every rank (the message lists what rank 0 offered).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    one_host = comm.allreduce(node.Get_size(), op=MPI.MIN) == comm.Get_size()
-    node.Free()
-    if one_host:
+    if Topology.of(comm).hosts == 1:
         address = "127.0.0.1"
     else:
         offers = comm.bcast(_offers() if comm.Get_rank() == 0 else None, root=0)

@@ -18,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from .groups import processor_names
+from .topology import Topology
 
 __all__ = ["Timeline"]
 
@@ -104,8 +105,8 @@ class Timeline:
         self._closed = True
         comm = self._comm.Dup()
         try:
-            hosts = processor_names(comm)
-            offset = _clock_offset(comm, hosts, _SYNC_ROUNDS)
+            topology = Topology.of(comm)
+            offset = _clock_offset(comm, topology.host_of, _SYNC_ROUNDS)
             mine: dict[str, Any] = {
                 "offset_us": offset * 1e6,
                 "events": [[name, (start - offset) * 1e6, (end - start) * 1e6, args]
@@ -122,21 +123,21 @@ class Timeline:
         finally:
             comm.Free()
         if parts is not None:
-            _write(self._path, _trace([json.loads(p) for p in parts], hosts))
+            _write(self._path, _trace([json.loads(p) for p in parts], list(topology.names)))
 
 
-def _clock_offset(comm: MPI.Intracomm, hosts: list[str], rounds: int) -> float:
+def _clock_offset(comm: MPI.Intracomm, host_of: Sequence[int], rounds: int) -> float:
     """This rank's ``perf_counter`` minus rank 0's, in seconds (collective).
 
     Zero for ranks on rank 0's host; estimated by ping-pong for the others.
 
     Args:
         comm: a communicator with no other traffic in flight.
-        hosts: every rank's processor name, as from :func:`~mpi_gradreducer._core.groups.processor_names`.
+        host_of: the host of every rank (:attr:`.Topology.host_of`).
         rounds: exchanges per remote rank; the shortest round trip wins.
     """
     size, rank = comm.Get_size(), comm.Get_rank()
-    remote = [r for r in range(1, size) if hosts[r] != hosts[0]]
+    remote = [r for r in range(1, size) if host_of[r] != host_of[0]]
     buf = np.zeros(1, dtype=np.float64)
     best = (np.inf, 0.0)
     for r in remote:

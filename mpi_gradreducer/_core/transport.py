@@ -324,7 +324,7 @@ def cuda_support() -> tuple[bool | None, str]:
     The MPI library is asked through ctypes: ``MPIX_GPU_query_support``
     (MPICH) or ``MPIX_Query_cuda_support`` (Open MPI and MPICH). The
     environment variable that overrides the answer is read by
-    :func:`mpi_gradreducer._core.config.cuda_aware_default`.
+    :func:`mpi_gradreducer._core.options.cuda_aware_default`.
 
     Returns:
         ``(answer, source)``: answer is None when nothing could tell.

@@ -34,7 +34,7 @@ Methods:
     The same on the arrays of ``reducer.allocate_grads()`` (no packing).
 ``reducer-cuda-aware``
     ``cuda_aware=True``, only when the MPI library says it is CUDA-aware on
-    every rank (``config.cuda_aware_default()``).
+    every rank (``options.cuda_aware_default()``).
 
 Every method is first run once on its own; one that raises or gives a wrong
 result on any rank is reported as skipped, with the first rank's reason, and
@@ -64,7 +64,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .. import DistributedGradReducer
-from .._core import config
+from .._core import options
 from .._core.groups import select_device
 from .cli import RankParser, add_shared_options, run_as_script, start
 from .counters import launches, reducer_stats
@@ -201,7 +201,7 @@ def _naive(comm: MPI.Intracomm, grads: Sequence[Any]) -> None:
 def _cuda_aware(comm: MPI.Intracomm) -> tuple[bool, str]:
     """Whether MPI takes device buffers on every rank (collective), and why not."""
     try:
-        answer, source = config.cuda_aware_default()
+        answer, source = options.cuda_aware_default()
     except ValueError as exc:  # a malformed override
         answer, source = None, str(exc)
     ok = comm.allreduce(int(answer is True), op=MPI.MIN)

@@ -64,7 +64,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .._core.groups import processor_names
+from .._core.topology import Topology
 from .output import bytes_label
 
 __all__ = [
@@ -192,10 +192,8 @@ class Hosts:
 def host_layout(comm: MPI.Intracomm) -> Hosts:
     """The hosts the ranks of ``comm`` run on (collective).
 
-    A host is a set of ranks that share memory (``Split_type`` with
-    ``MPI_COMM_TYPE_SHARED``) and have the same processor name: ranks that
-    MPI places apart, or whose host names differ, are on different hosts. The
-    environment (``CLUSTER_HOSTS`` and the like) is not consulted.
+    Hosts as the package's ``Topology`` sees them (ranks that share memory and
+    a processor name). The environment (``CLUSTER_HOSTS`` and the like) is not consulted.
 
     Args:
         comm: the communicator.
@@ -203,24 +201,9 @@ def host_layout(comm: MPI.Intracomm) -> Hosts:
     Returns:
         The layout; the same ``count`` and ``ranks_per_host`` on every rank.
     """
-    names = processor_names(comm)
-    color = sorted(set(names)).index(names[comm.Get_rank()])
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-    try:
-        local = node.Split(color, key=comm.Get_rank())
-        try:
-            leader = np.array([comm.Get_rank()], dtype=np.int64)
-            local.Bcast(leader, root=0)  # a host is named by its lowest rank in comm
-            is_leader = local.Get_rank() == 0
-        finally:
-            local.Free()
-    finally:
-        node.Free()
-    leaders = np.empty(comm.Get_size(), dtype=np.int64)
-    comm.Allgather(leader, leaders)
-    first, counts = np.unique(leaders, return_counts=True)
-    return Hosts(count=int(first.size), index=int(np.searchsorted(first, leader[0])), leader=is_leader,
-                 ranks_per_host=tuple(int(c) for c in counts))
+    topology = Topology.of(comm)
+    return Hosts(count=topology.hosts, index=topology.host, leader=topology.local_rank == 0,
+                 ranks_per_host=tuple(len(topology.ranks_on(h)) for h in range(topology.hosts)))
 
 
 def interfaces(names: Sequence[str] | None = None, root: str = SYS_NET) -> list[str]:

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from .. import DistributedGradReducer, reducer as reducer_module
 from .._core import backend, transport
 from .._core.hosts import Hosts
+from .._core.topology import Topology
 from .environment import huge_pages
 from .limit import chunked_allreduce, limit_cases
 from .output import KIB, MIB, size_label
@@ -112,7 +113,7 @@ def sweep_chunks(comm: MPI.Intracomm, wl: Workload, reps: int, warmup: int) -> d
     big = [g for g in wl.arrays() if g.nbytes >= reducer_module.DIRECT_BYTES and g.dtype == np.float32]
     flats = [g.reshape(-1) for g in big]
 
-    hosts = Hosts(comm)
+    hosts = Hosts(comm, Topology.of(comm))
     summers = {c: hosts.ordered_sum(np.float32, c) for c in SWEEP_CHUNKS}
 
     def run(chunk: int, scale: float) -> None:

@@ -3,8 +3,8 @@
 Everything Horovod keeps in its C++ core's global state lives here in one
 :class:`Context` (the communicators, the engine thread, the process sets),
 made by :func:`init` and dropped by :func:`shutdown`; the module keeps
-nothing else. Local ranks are the ranks that share a host
-(``Split_type(COMM_TYPE_SHARED)``), cross ranks the ranks with the same
+nothing else. Local ranks are the ranks that share a host (the package's
+:class:`~mpi_gradreducer._core.topology.Topology`), cross ranks the ranks with the same
 local rank on every host, as in Horovod.
 """
 
@@ -19,6 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .._core import groups
+from .._core.topology import Topology
 from .engine import Engine
 
 __all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
@@ -149,9 +150,7 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
     else:
         raise TypeError(f"comm: expected None, an mpi4py intracommunicator or a list of ranks, got "
                         f"{type(comm).__name__} {comm!r}")
-    local = base.Split_type(MPI.COMM_TYPE_SHARED, key=base.Get_rank())
-    cross = base.Split(local.Get_rank(), key=base.Get_rank())
-    assert isinstance(local, MPI.Intracomm) and isinstance(cross, MPI.Intracomm)  # mpi4py's stubs say Comm
+    local, cross = Topology.of(base).split(base)
     ranks = tuple(range(base.Get_size()))
     engine = Engine(base.Get_rank())
     own = base.Dup()

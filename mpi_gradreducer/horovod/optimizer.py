@@ -32,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from .. import torch as mgr_torch
+from .._core.options import Options
 from .._core.sparse import allgather_rowsparse
 from .agreement import check
 from .context import current
@@ -78,10 +79,11 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
             again; without it they are gathered sparse.
         process_set: the ranks that average their gradients; a rank outside
             the set makes the optimizer too and steps with its own gradients.
-        **reducer_options: not Horovod's: any option of
-            :class:`mpi_gradreducer.torch.DistributedOptimizer` that the
-            arguments above do not set (``progress``, ``bucket_bytes``,
-            ``timeout``, ``timeline``, ...).
+        options: not Horovod's: the reducer's :class:`~mpi_gradreducer.Options`,
+            except what the arguments above set.
+        **reducer_options: not Horovod's: any field of
+            :class:`~mpi_gradreducer.Options` that the arguments above do not
+            set (``progress``, ``bucket_bytes``, ``timeout``, ``timeline``, ...).
 
     Raises:
         ValueError, TypeError, NotImplementedError: on every rank of the
@@ -92,11 +94,12 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
                  compression: Any = Compression.none, backward_passes_per_step: int = 1, op: Any = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-                 sparse_as_dense: bool = False, process_set: Any = global_process_set, **reducer_options: Any) -> None:
+                 sparse_as_dense: bool = False, process_set: Any = global_process_set, *,
+                 options: Options | None = None, **reducer_options: Any) -> None:
         ctx = current("hvd.DistributedOptimizer(...)")
         member = process_set is None or getattr(process_set, "included", lambda: True)() is not False
         error: BaseException | None = None
-        options: dict[str, Any] = {}
+        asked = Options()
         names: dict[Any, str] = {}
         params: list[torch.Tensor] = []
         comm: MPI.Intracomm = MPI.COMM_SELF
@@ -107,14 +110,14 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                 warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning, stacklevel=2)
                 if groups is None:
                     groups = num_groups
-            options, names, params = _options(optimizer, named_parameters, compression, op,
-                                              gradient_predivide_factor, groups)
+            horovods, names, params = _options(optimizer, named_parameters, compression, op,
+                                               gradient_predivide_factor, groups)
             taken = sorted(set(reducer_options) & {"mean", "compression", "predivide", "fusion", "fusion_type",
                                                    "split_indices", "group"})
             if taken:
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
                                 "gradient_predivide_factor, groups, process_set); not accepted as reducer options")
-            options.update(reducer_options)
+            asked = (Options() if options is None else options).replace(**reducer_options, **horovods)
         except Exception as exc:  # raised on every rank of the set, never on one alone
             error = exc
         if member:
@@ -134,8 +137,8 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         me = weakref.ref(self)
         self._sparse_hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(me, i))
                               for i, p in enumerate(params)]  # registered first: they run before the reduction's
-        super().__init__(optimizer, backward_passes_per_step=backward_passes_per_step, group=comm, **options)
-        self.op = ReduceOp.Average if options["mean"] else ReduceOp.Sum
+        super().__init__(optimizer, backward_passes_per_step=backward_passes_per_step, group=comm, options=asked)
+        self.op = ReduceOp.Average if asked.mean else ReduceOp.Sum
         ctx.optimizers.append(weakref.ref(self))
 
     @property

@@ -1,32 +1,33 @@
-"""The options object: every argument check and environment variable, resolved once (single process)."""
+"""The options object: declared once, every argument check and environment variable resolved once (single process)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
-from mpi_gradreducer._core import config
+from mpi_gradreducer import Options
+from mpi_gradreducer._core import options as config
 from mpi_gradreducer._core.planning import ParamSpec
 
 SPECS = (ParamSpec((3, 2), np.dtype(np.float32)), ParamSpec((4,), np.dtype(np.float64)))
-DEFAULTS = dict(mean=True, degree=None, fusion_type=1, fusion=None, split_indices=None, bucket_bytes=1 << 20,
-                skip=None, validate="always", timeout=None, check_finite=False, cuda_aware=None, timeline=None,
-                compression=None, predivide=None, coalesce=False, progress="deferred")
+DEFAULTS = Options(bucket_bytes=1 << 20, timeout=None, progress="deferred")
 
 
-def resolve(size: int = 4, **changes) -> config.Options:
-    return config.resolve(SPECS, size, **{**DEFAULTS, **changes})
+def resolve(size: int = 4, **changes) -> Options:
+    return config.resolve(DEFAULTS.replace(**changes), SPECS, size)
 
 
 def test_defaults_are_resolved_from_the_arguments_and_the_size(monkeypatch: pytest.MonkeyPatch):
     for name in (config.STALL_WARNING_ENV, config.ABORT_ON_EXCEPTION_ENV, config.TIMELINE_ENV, config.TIMEOUT_ENV):
         monkeypatch.delenv(name, raising=False)
     o = resolve(timeout="env")
-    assert (o.degree, o.fixed_degree, o.ids, o.skip) == (4, False, (1, 1), (False, False))
+    assert (o.divisor(4), o.fixed_degree, o.ids, o.skipped) == (4, False, (1, 1), (False, False))
     assert o.timeout == config.DEFAULT_TIMEOUT and o.stall_warning == config.DEFAULT_STALL_WARNING == 60.0
-    assert o.abort_on_exception and o.timeline is None and o.bucket_bytes == 1 << 20
+    assert o.abort_on_exception is True and o.timeline is None and o.cap == 1 << 20
     assert o.divisor(3) == 3 and resolve(degree=8).divisor(3) == 8
-    assert resolve(bucket_bytes="auto").bucket_bytes is None
+    assert resolve(bucket_bytes="auto").cap is None
 
 
 def test_environment_variables_give_the_defaults(monkeypatch: pytest.MonkeyPatch):
@@ -92,11 +93,26 @@ def test_parameters_are_described_by_shape_dtype_and_device():
 
 
 def test_the_signature_names_what_differs():
-    rows = config.signature(resolve(), SPECS)
-    assert len(rows) == 1 + len(SPECS)
-    assert config.describe_row(0, rows[0]).startswith("(parameters=2, bucket_bytes=1048576, mean=1, degree=4")
-    assert config.describe_row(2, rows[2]) == "shape (4,) float64 on cpu (fusion id 1)"
-    assert config.signature(resolve(degree=3), SPECS)[0] != rows[0]
-    assert config.signature(resolve(skip=[False, True]), SPECS)[2] != rows[2]
-    for change in (dict(check_finite=True), dict(coalesce=True), dict(timeline="t.json"), dict(degree=4)):
-        assert config.signature(resolve(**change), SPECS)[0] != rows[0], change  # options that change messages
+    rows, names = config.signature(resolve(), SPECS)
+    agreed = [f.name for f in dataclasses.fields(Options) if "agree" in f.metadata]
+    assert names == [f"option {n}" for n in agreed] + ["the number of parameters", "parameter 0", "parameter 1"]
+    assert config._describe(names[-1], rows[-1]) == "shape (4,) float64 on cpu (fusion id 1)"
+    assert config._describe("option mean", rows[agreed.index("mean")]) == "True"
+    assert config.signature(resolve(skip=[False, True]), SPECS)[0][-1] != rows[-1]
+    for change in (dict(check_finite=True), dict(coalesce=True), dict(timeline="t.json"), dict(degree=4),
+                   dict(degree=3), dict(mean=False), dict(compression="fp16"), dict(deterministic=True)):
+        assert config.signature(resolve(**change), SPECS)[0] != rows, change  # options that change messages
+    for local in (dict(validate="first"), dict(timeout=5.0), dict(stall_warning=None)):
+        assert config.signature(resolve(**local), SPECS)[0] == rows, local  # each rank's own
+
+
+def test_options_are_declared_once_and_refuse_unknown_names():
+    o = Options(compression="fp16")
+    assert o.replace(bucket_bytes="auto") == Options(compression="fp16", bucket_bytes="auto")
+    assert o.replace() is o
+    with pytest.raises(TypeError, match=r"unexpected option 'compresion'; the options are: .*compression"):
+        o.replace(compresion="bf16")
+    with pytest.raises(TypeError, match=r"options: expected a mpi_gradreducer.Options, got dict"):
+        config.resolve({"mean": True}, SPECS, 4)  # type: ignore[arg-type]
+    resolved = resolve(timeout="env", compression="fp16")
+    assert config.resolve(resolved, SPECS, 4) == resolved  # resolved options build the same reducer again
