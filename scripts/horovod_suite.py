@@ -250,6 +250,10 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
     return Outcome(name, ranks, "passed", seconds)
 
 
+def _one_line(text: str) -> str:
+    return " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--source", default=os.environ.get("HOROVOD_SOURCE"),
@@ -282,8 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 outcome = run_test(name, ranks, folder, mpiexec, args.timeout)
                 summary.outcomes.append(outcome)
-                detail = f"  ({outcome.detail})" if outcome.detail else ""
-                detail = " | ".join(line.strip() for line in detail.splitlines())
+                detail = f"  ({_one_line(outcome.detail)})" if outcome.detail else ""
                 print(f"[{ranks} ranks] {outcome.status:7} {outcome.seconds:6.1f} s  {name}{detail}", flush=True)
             summary.seconds = time.monotonic() - t0
             summaries.append(summary)
@@ -293,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"hung, {s.count('skipped')} skipped of {len(s.outcomes)} in {s.seconds:.0f} s")
             for o in s.outcomes:
                 if o.status != "passed":
-                    print(f"   {o.status}: {o.name}: " + " | ".join(line.strip() for line in o.detail.splitlines()))
+                    print(f"   {o.status}: {o.name}: {_one_line(o.detail)}")
             bad = bad or s.count("failed") > 0 or s.count("hung") > 0
         return 1 if bad else 0
     finally:

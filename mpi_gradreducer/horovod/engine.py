@@ -388,7 +388,9 @@ class Engine:
         if op.agreed:
             kind = op.request.kind.upper()
             name = f"{op.request.kind}.{op.request.key}"
-            self._record(f"NEGOTIATE_{kind}", op.submitted, op.agreed, tensor=name)
+            since_epoch = round((time.time() - (end - op.submitted)) * 1e6)  # the call, on the wall clock
+            self._record(f"NEGOTIATE_{kind}", op.submitted, op.agreed, tensor=name,
+                         start_time_since_epoch_in_micros=since_epoch)
             self._record(kind, op.agreed, end, tensor=name, error=str(error) if error is not None else "")
         op.handle._complete(response, outputs, error)
 

@@ -3,7 +3,8 @@
 The engine records, per operation, its negotiation (``NEGOTIATE_ALLREDUCE``:
 from the call until every rank of its process set had asked for it) and
 its data movement (``ALLREDUCE``), each with the operation's name
-(``allreduce.<name>``) as the ``tensor`` argument; with ``mark_cycles``
+(``allreduce.<name>``) as the ``tensor`` argument (and the call's wall-clock
+time as ``start_time_since_epoch_in_micros``, as Horovod's); with ``mark_cycles``
 also a ``CYCLE_START`` mark for each round of the engine that did work.
 The file is the package's timeline (:class:`mpi_gradreducer._core.timeline.Timeline`):
 one process per rank, one track per phase, clocks aligned to rank 0's;
