@@ -16,7 +16,8 @@ files do not match):
 Then every test runs as its own job, ``mpiexec -n N python -m mpi4py -m
 pytest test_torch.py::TorchTests::<test>``, at each rank count, under a hard
 time limit: on timeout the job's whole process tree is killed and the test
-counts as hung. Each rank writes its own JUnit report (one ``mpiexec``
+counts as hung (the running job's tree is killed too when this script is
+interrupted). Each rank writes its own JUnit report (one ``mpiexec``
 command line per rank), so a test fails when any rank fails it, and a job
 whose failing rank left the others waiting is ended a few seconds later.
 Jobs get the environment of the repository's test jobs (``tests/conftest.py``
@@ -220,17 +221,18 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
                                 env=job_environment(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         failed_at: float | None = None
         timed_out = False
-        while proc.poll() is None:
-            now = time.monotonic()
-            if now - t0 > limit or failed_at is not None and now - failed_at > GRACE_SECONDS:
-                timed_out = failed_at is None
-                kill_tree(proc)
-                break
-            if failed_at is None and any((_report(reports / f"rank{r}.xml") or ("",))[0] == "failed"
-                                         for r in range(ranks)):
-                failed_at = now
-            time.sleep(0.1)
-        kill_tree(proc)  # whatever a finished mpiexec left behind
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now - t0 > limit or failed_at is not None and now - failed_at > GRACE_SECONDS:
+                    timed_out = failed_at is None
+                    break
+                if failed_at is None and any((_report(reports / f"rank{r}.xml") or ("",))[0] == "failed"
+                                             for r in range(ranks)):
+                    failed_at = now
+                time.sleep(0.1)
+        finally:
+            kill_tree(proc)  # on timeout, on an interruption of this script, and whatever a finished mpiexec left
     seconds = time.monotonic() - t0
     results = [_report(reports / f"rank{r}.xml") for r in range(ranks)]
     tail = log.read_text(errors="replace")[-3000:]
@@ -248,6 +250,10 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
     if statuses != {"passed"}:
         return Outcome(name, ranks, "failed", seconds, f"the ranks disagree: {sorted(statuses)}")
     return Outcome(name, ranks, "passed", seconds)
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise SystemExit(f"horovod_suite: interrupted by signal {signum}")
 
 
 def _one_line(text: str) -> str:
@@ -274,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     if mpiexec is None:
         parser.error("no mpiexec found (next to this Python or on PATH)")
     folder = Path(tempfile.mkdtemp(prefix="horovod-suite-"))
+    signal.signal(signal.SIGTERM, _interrupted)  # the running job's tree is killed on the way out
     try:
         names = prepare(Path(args.source), folder)
         if args.select:

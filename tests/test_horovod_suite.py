@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,30 @@ def test_the_runner_passes_and_selects(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for n in (2, 3):
         assert f"== {n} ranks: 1 passed, 0 failed, 0 hung, 1 skipped of 2" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+@pytest.mark.skipif(WORLD.Get_size() > 1, reason="launches its own MPI jobs: run from a single process")
+def test_an_interrupted_runner_ends_its_job(tmp_path):
+    source = _tree(tmp_path / "horovod")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "MPI_GRADREDUCER_"))}
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    runner = subprocess.Popen([sys.executable, str(SCRIPT), "--source", str(source), "--ranks", "2", "-k", "hang"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        t0 = time.monotonic()
+        while len(_processes_running("test_hang")) < 2:  # both ranks started
+            assert time.monotonic() - t0 < 120 and runner.poll() is None, "the job did not start"
+            time.sleep(0.2)
+        runner.send_signal(signal.SIGTERM)
+        out, err = runner.communicate(timeout=60)
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    assert runner.returncode != 0 and "interrupted by signal" in err, out + err
+    assert not _processes_running("test_hang"), "the interrupted runner left ranks running"
 
 
 @pytest.mark.skipif(WORLD.Get_size() > 1, reason="runs the runner in a subprocess: from a single process")
