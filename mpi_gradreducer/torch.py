@@ -128,7 +128,8 @@ class DistributedOptimizer:
         self.passes = backward_passes_per_step
         size, rank = comm.Get_size(), comm.Get_rank()
         first = self._params[0]
-        flags = torch.zeros(len(self._params) + len(MISUSES) * size, dtype=first.dtype, device=first.device)
+        flags = torch.zeros(len(self._params) + len(MISUSES) * size + self._side_flags(), dtype=first.dtype,
+                            device=first.device)
         #: The underlying DistributedGradReducer; its first gradient is the flags, then one per parameter.
         self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], group=comm,
                                               options=flagged)
@@ -260,6 +261,8 @@ class DistributedOptimizer:
                 step.ready(i + 1)
         for kind, _ in self._failures:
             local[len(self._params) + kind * self._size + self._rank] = 1.0
+        side = len(self._params) + len(MISUSES) * self._size
+        self._side_values(local[side:])
         self._flags.copy_(torch.from_numpy(local))
         try:
             if step is not None:
@@ -274,8 +277,9 @@ class DistributedOptimizer:
         for i, p in enumerate(self._params):
             if p.grad is None and flags[i] != 0 and not self._skip[i]:
                 p.grad = self._grads[i]  # used on another rank: the average is here
+        self._side_reduced(flags[side:])
         self._synchronized = True
-        misuse = flags[n:].reshape(len(MISUSES), self._size)
+        misuse = flags[n:side].reshape(len(MISUSES), self._size)
         if misuse.any():
             failures = self._failures
             self._reset()
@@ -438,6 +442,36 @@ class DistributedOptimizer:
             self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed more than "
                                  f"backward_passes_per_step={self.passes} times before step(), the last time "
                                  "after its hook had handed it to the reduction")
+
+    # -- protected hooks for subclasses (mpi_gradreducer.horovod) ----------------------------------------
+
+    def _side_flags(self) -> int:
+        """How many values of its own a subclass sends with each reduction's flags (called once, in ``__init__``).
+
+        They ride in the last bucket like the flags (averaged over the ranks,
+        a rank in ``join()`` counting zeros), so they cost no message.
+        """
+        return 0
+
+    def _side_values(self, out: np.ndarray) -> None:
+        """Write this rank's side values into ``out`` (zeros), before each reduction."""
+
+    def _side_reduced(self, values: np.ndarray) -> None:
+        """The side values averaged over the ranks, after each reduction (before misuse is raised)."""
+
+    def _backward_ran(self) -> bool:
+        """Whether a gradient hook ran since the last ``step()``."""
+        return self._fired_any
+
+    def _refuse_zero_grad(self, message: str) -> None:
+        """Count ``zero_grad()`` between ``backward()`` and ``step()`` as misuse: raise it on every rank now.
+
+        This rank raises ``message`` from here (its ``synchronize()``), the
+        others from their ``step()`` or ``synchronize()``; the optimizer is
+        usable again afterwards.
+        """
+        self._fail(_ZERO_GRAD, message)
+        self.synchronize()
 
     def _raise_misuse(self, misuse: np.ndarray, failures: Sequence[tuple[int, str]]) -> None:
         """Raise the same RuntimeError on every rank, naming the first misuse and its rank."""

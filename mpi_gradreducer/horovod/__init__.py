@@ -15,13 +15,22 @@ Run it with ``mpiexec -n 4 python -m mpi4py train.py``. Every name of
 lists the differences. Importing this module imports torch.
 
 The parts: :mod:`.context` (``init`` and topology, in one context object),
-:mod:`.ops` (reduction operations, compression), :mod:`.collectives` (the
-collectives on tensors), :mod:`.optimizer` (``DistributedOptimizer``),
-:mod:`.functions` (parameters, optimizer state, objects),
-:mod:`.process_sets` (the global one only) and :mod:`.unsupported`.
+:mod:`.negotiation` (how the ranks agree on an operation, pure),
+:mod:`.engine` (the thread every operation goes through),
+:mod:`.execute` (how each kind moves its data), :mod:`.submit` (a call
+becomes an operation), :mod:`.collectives` (the collectives on tensors),
+:mod:`.agreement` (``join``, ``barrier``: operations without data),
+:mod:`.autograd`, :mod:`.ops` (reduction operations, compression),
+:mod:`.optimizer` (``DistributedOptimizer``), :mod:`.functions`
+(parameters, optimizer state, objects), :mod:`.process_sets`,
+:mod:`.sparse`, :mod:`.sync_batch_norm`, :mod:`.timeline`,
+:mod:`.exceptions` (Horovod's errors), :mod:`.elastic` (``hvd.elastic``:
+training that survives lost ranks, under Open MPI's ULFM) and
+:mod:`.unsupported`.
 """
 
 from . import elastic
+from .agreement import barrier, join
 from .collectives import (
     allgather,
     allgather_async,
@@ -31,7 +40,6 @@ from .collectives import (
     allreduce_async_,
     alltoall,
     alltoall_async,
-    barrier,
     broadcast,
     broadcast_,
     broadcast_async,
@@ -44,7 +52,6 @@ from .collectives import (
     grouped_allreduce_async_,
     grouped_reducescatter,
     grouped_reducescatter_async,
-    join,
     poll,
     reducescatter,
     reducescatter_async,
@@ -71,23 +78,18 @@ from .context import (
     shutdown,
     size,
 )
-from .elastic import HorovodInternalError
+from .exceptions import HorovodInternalError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from .optimizer import DistributedOptimizer
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .unsupported import (
-    SyncBatchNorm,
-    run,
-    sparse_allreduce_async,
-    start_timeline,
-    stop_timeline,
-)
+from .sparse import sparse_allreduce_async
+from .sync_batch_norm import SyncBatchNorm
+from .timeline import start_timeline, stop_timeline
+from .unsupported import run
 
-#: Names that exist for compatibility but raise ``NotImplementedError`` (``ProcessSet``: when constructed;
-#: ``Adasum``: when used).
-UNSUPPORTED = ("Adasum", "ProcessSet", "SyncBatchNorm", "add_process_set", "remove_process_set", "run",
-               "sparse_allreduce_async", "start_timeline", "stop_timeline")
+#: Names that exist for compatibility but raise ``NotImplementedError`` (``Adasum``: when used).
+UNSUPPORTED = ("Adasum", "run")
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "Product",

@@ -1,27 +1,30 @@
 """Horovod's set-up and topology: ``init``/``shutdown`` and who is where, held in one context object.
 
 Everything Horovod keeps in its C++ core's global state lives here in one
-:class:`Context`, made by :func:`init` and dropped by :func:`shutdown`; the
-module keeps nothing else. Local ranks are the ranks that share a host
-(the package's :class:`~mpi_gradreducer._core.topology.Topology`), cross ranks the ranks with the same
+:class:`Context` (the communicators, the engine thread, the process sets),
+made by :func:`init` and dropped by :func:`shutdown`; the module keeps
+nothing else. Local ranks are the ranks that share a host (the package's
+:class:`~mpi_gradreducer._core.topology.Topology`), cross ranks the ranks with the same
 local rank on every host, as in Horovod.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from mpi4py import MPI
 
 from .._core import groups
 from .._core.topology import Topology
+from .engine import Engine
 
-__all__ = ["Context", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
-           "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-           "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
+__all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
+           "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+           "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
 
 #: Horovod's words, and ours: the type is Horovod's (``ValueError``).
 NOT_INITIALIZED = ("Horovod has not been initialized; use hvd.init(). (mpi_gradreducer.horovod: call hvd.init() "
@@ -29,21 +32,65 @@ NOT_INITIALIZED = ("Horovod has not been initialized; use hvd.init(). (mpi_gradr
 
 
 @dataclass
-class Context:
-    """What :func:`init` sets up: the communicators (duplicates, owned here) and their ranks.
+class SetInfo:
+    """One process set as this rank knows it.
 
     Attributes:
-        comm: the global communicator (Horovod's global process set).
+        id: its ``process_set_id`` (0: the global set).
+        ranks: its global ranks, in order.
+        comm: its communicator on its ranks (a duplicate, owned here); ``MPI.COMM_NULL`` elsewhere.
+    """
+
+    id: int
+    ranks: tuple[int, ...]
+    comm: MPI.Intracomm
+
+    @property
+    def member(self) -> bool:
+        """Whether this rank is in the set."""
+        return self.comm != MPI.COMM_NULL
+
+
+@dataclass
+class Context:
+    """What :func:`init` sets up: the communicators (duplicates, owned here), the engine and the process sets.
+
+    Attributes:
+        comm: the global communicator (Horovod's global process set), for
+            the few collectives the caller's thread makes itself (making and
+            freeing process sets, writing the timeline).
         local: the ranks of ``comm`` on this host.
         cross: the ranks of ``comm`` with this rank's local rank, one per host.
+        engine: the thread every operation goes through.
+        sets: the process sets by id (0: the global one, over a duplicate of ``comm``).
+        next_id: the id the next process set gets (the same on every rank: sets are added collectively).
+        timeline: the timeline being recorded (``start_timeline``).
+        optimizers: weak references to the live ``DistributedOptimizer`` objects (``join()`` serves them).
     """
 
     comm: MPI.Intracomm
     local: MPI.Intracomm
     cross: MPI.Intracomm
+    engine: Engine
+    sets: dict[int, SetInfo] = field(default_factory=dict)
+    next_id: int = 1
+    timeline: Any = None
+    optimizers: list[Any] = field(default_factory=list)
+
+    def communicators(self) -> Iterator[MPI.Intracomm]:
+        """Every communicator this context owns, the engine's included: what a lost rank's recovery revokes."""
+        yield from (c for c in (self.comm, self.local, self.cross) if c != MPI.COMM_NULL)
+        yield from (info.comm for info in self.sets.values() if info.comm != MPI.COMM_NULL)
+        yield from self.engine.communicators()
 
     def free(self) -> None:
-        """Free the communicators (collective over ``comm``)."""
+        """Stop the engine and free the communicators (collective over ``comm``)."""
+        self.engine.close()
+        self.engine.free()
+        for info in self.sets.values():
+            if info.comm != MPI.COMM_NULL:
+                info.comm.Free()
+        self.sets.clear()
         for c in (self.cross, self.local, self.comm):
             if c != MPI.COMM_NULL:
                 c.Free()
@@ -73,26 +120,25 @@ def current(what: str = "this call") -> Context:
 def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = None) -> None:
     """Initialize (collective over ``comm``; over ``MPI.COMM_WORLD`` when ``comm`` lists ranks).
 
-    A second call while initialized does nothing, as in Horovod.
+    A second call while initialized does nothing, as in Horovod. Starts the
+    engine thread that every collective goes through.
 
     Args:
         comm: None (every rank of ``MPI.COMM_WORLD``), an mpi4py
             intracommunicator (duplicated), or a list of ranks of
             ``MPI.COMM_WORLD`` (every rank of ``MPI.COMM_WORLD`` calls
             ``init`` with the same list).
-        process_sets: only None: process sets beyond the global one are not
-            supported.
+        process_sets: None or ``"dynamic"`` (process sets are added later
+            with ``add_process_set``), or the process sets to add now: a list
+            of ``ProcessSet`` objects (or lists of ranks), the same on every
+            rank; those made from an mpi4py communicator give it on their
+            ranks and ``MPI.COMM_NULL`` elsewhere.
 
     Raises:
-        NotImplementedError: ``process_sets`` given.
         TypeError: ``comm`` is none of the above.
         ValueError: this rank is not in the listed ranks (on those ranks only:
             the listed ranks are initialized), or the list is invalid (on every rank).
     """
-    if process_sets is not None:
-        raise NotImplementedError(f"init(process_sets=...): process sets beyond the global one are not supported "
-                                  f"by mpi_gradreducer.horovod, got {process_sets!r}; pass a communicator of the "
-                                  "ranks you want as comm instead")
     if _Session.context is not None:
         return
     if comm is None:
@@ -111,14 +157,36 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
         raise TypeError(f"comm: expected None, an mpi4py intracommunicator or a list of ranks, got "
                         f"{type(comm).__name__} {comm!r}")
     local, cross = Topology.of(base).split(base)
-    _Session.context = Context(base, local, cross)
+    ranks = tuple(range(base.Get_size()))
+    engine = Engine(base.Get_rank())
+    own = base.Dup()
+    engine.add_set(0, ranks, own)
+    _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)})
+    if process_sets is not None and process_sets != "dynamic":
+        from .process_sets import add_initial  # the sets need the context: after it exists
+
+        add_initial(process_sets)
 
 
 def shutdown() -> None:
-    """Free what :func:`init` made (collective). Does nothing when not initialized."""
+    """Stop the engine and free what :func:`init` made (collective). Does nothing when not initialized.
+
+    Operations still in flight then (some rank never made the call) fail
+    with ``RuntimeError`` after at most 30 seconds.
+    """
     ctx, _Session.context = _Session.context, None
     if ctx is not None:
         ctx.free()
+
+
+def _at_exit() -> None:
+    """At the end of the process: stop the engine before MPI is finalized (no collective here)."""
+    ctx = _Session.context
+    if ctx is not None:
+        ctx.engine.close(limit=5.0)
+
+
+atexit.register(_at_exit)
 
 
 def is_initialized() -> bool:

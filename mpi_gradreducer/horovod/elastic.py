@@ -26,7 +26,6 @@ replacement runs the script from its top over its own ranks and joins in
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
 from collections.abc import Callable, Iterator
@@ -36,35 +35,11 @@ import torch
 from mpi4py import MPI
 
 from .. import elastic as _elastic, torch as mgr_torch
-from ..elastic import _ulfm
 from . import context
+from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState",
-           "internal_errors", "run"]
-
-
-class HorovodInternalError(RuntimeError):
-    """A collective failed because a rank was lost (Horovod's name): ``hvd.elastic.run`` recovers from it.
-
-    Raised by ``DistributedOptimizer.step()``/``synchronize()`` and the
-    collectives' agreement step when MPI reports a lost process or a
-    revoked communicator (the MPI error is its ``__cause__``).
-    """
-
-
-class HostsUpdatedInterrupt(_elastic.HostsUpdated):
-    """New ranks are ready to join (Horovod's name): raised by ``state.commit()`` on every rank at once."""
-
-
-@contextlib.contextmanager
-def internal_errors() -> Iterator[None]:
-    """Turn MPI's lost-process and revoked-communicator errors into :class:`HorovodInternalError`."""
-    try:
-        yield
-    except MPI.Exception as exc:
-        if _ulfm.failure_of(exc) is None:
-            raise
-        raise HorovodInternalError(f"a collective failed: {exc.Get_error_string()}") from exc
+           "run"]
 
 
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
@@ -82,11 +57,17 @@ class _Context:
     def communicators(self) -> Iterator[MPI.Comm]:
         ctx = context._Session.context
         if ctx is not None:
-            yield from (ctx.comm, ctx.local, ctx.cross)
+            yield from ctx.communicators()
 
     def rebuild(self, comm: MPI.Intracomm) -> None:
         context.shutdown()  # frees the old communicators, locally after a revoke
         context.init(comm)
+
+    def release(self) -> None:
+        """At exit, before MPI is finalized: stop the engine's thread (no MPI call may follow the finalize)."""
+        ctx = context._Session.context
+        if ctx is not None:
+            ctx.engine.close(limit=5.0)
 
 
 def _world() -> _elastic.World:

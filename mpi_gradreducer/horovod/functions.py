@@ -1,45 +1,48 @@
-"""Horovod's helper functions: parameters, optimizer state and Python objects from one rank to all."""
+"""Horovod's helper functions: parameters, optimizer state and Python objects from one rank to all.
+
+Each is one or a few operations of the engine (a grouped broadcast, a
+pickled payload), so that bad input on one rank raises on every rank and a
+rank in ``join()`` makes them raise instead of wait, as any broadcast does.
+"""
 
 from __future__ import annotations
 
-import numbers
+import pickle
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
 import torch
 
 from .. import torch as mgr_torch
-from .collectives import raise_everywhere
-from .context import current
-from .process_sets import check_global, global_process_set
+from .agreement import check
+from .collectives import grouped_broadcast_
+from .context import SetInfo, current
+from .execute import Local
+from .process_sets import global_process_set
+from .submit import Prepared, submit, wait
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
 
-def _root(what: str, size: int, root_rank: Any) -> None:
-    if isinstance(root_rank, bool) or not isinstance(root_rank, numbers.Integral) or not 0 <= int(root_rank) < size:
-        raise ValueError(f"{what}: root_rank: expected a rank in [0, {size - 1}], got {root_rank!r}")
-
-
-def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Copy rank ``root_rank``'s tensors into every rank's, in place (collective).
+def broadcast_parameters(params: Any, root_rank: int, process_set: Any = global_process_set) -> None:
+    """Copy rank ``root_rank``'s tensors into every rank's, in place (one operation).
 
     Args:
         params: ``model.state_dict()`` (a dict: taken in sorted key order, as
             Horovod does), ``model.named_parameters()`` or a list of tensors
-            or ``(name, tensor)`` tuples; the same shapes on every rank.
+            or ``(name, tensor)`` tuples; the same dtypes and shapes on every rank.
         root_rank: the rank whose values everyone takes.
+        process_set: the ranks (not Horovod's: it broadcasts over every rank).
 
     Raises:
-        ValueError, TypeError: on every rank, for bad input on any rank or
-            tensors that differ between ranks (naming the first).
+        ValueError, TypeError: on every rank, for bad input on any rank;
+            HorovodInternalError, for tensors that differ between ranks.
     """
-    what = "broadcast_parameters"
-    comm = current(what).comm
-    error = None
+    what = "hvd.broadcast_parameters"
     tensors: list[torch.Tensor] = []
+    error: Exception | None = None
     try:
-        _root(what, comm.Get_size(), root_rank)
         if isinstance(params, dict):
             items = sorted(params.items())
         elif isinstance(params, Iterable) and not isinstance(params, (str, bytes, torch.Tensor)):
@@ -54,60 +57,143 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
             tensors.append(t)
     except Exception as exc:  # e.g. a generator that raises: on every rank, never on one alone
         error = exc
-    raise_everywhere(comm, error)
-    mgr_torch.broadcast_parameters(tensors, root=int(root_rank), group=comm)
+    if error is not None:
+        check(what, (), error, process_set)
+    with torch.no_grad():
+        grouped_broadcast_([t.detach() for t in tensors], root_rank, process_set=process_set)
 
 
-def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None) -> None:
-    """Copy rank ``root_rank``'s optimizer state and hyper-parameters into every rank's optimizer (collective).
+def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
+                              process_set: Any = global_process_set) -> None:
+    """Copy rank ``root_rank``'s optimizer state and hyper-parameters into every rank's optimizer.
 
-    An optimizer with no state yet gets ``root_rank``'s hyper-parameters (its
-    state is then made by the first step on every rank alike; Horovod makes
-    it by a step with zero gradients instead).
+    The state's layout travels pickled, its tensors in one grouped
+    broadcast; every other rank loads it with ``load_state_dict``. An
+    optimizer with no state yet gets zero gradients for its parameters that
+    have none (as Horovod leaves them), but no step is taken (Horovod takes
+    one, which moves the weights under weight decay): its state is made by
+    the first step, on every rank alike.
 
     Args:
         optimizer: a :class:`DistributedOptimizer` or a torch optimizer.
         root_rank: the rank whose state everyone takes.
         model: accepted for compatibility; unused.
+        process_set: the ranks (not Horovod's: it broadcasts over every rank).
 
     Raises:
         ValueError, TypeError: on every rank, for bad input on any rank or a
             state that some rank's optimizer cannot load.
     """
-    what = "broadcast_optimizer_state"
-    comm = current(what).comm
-    error = None
+    what = "hvd.broadcast_optimizer_state"
+    me = current(what).comm.Get_rank()
+    inner = optimizer.optimizer if isinstance(optimizer, mgr_torch.DistributedOptimizer) else optimizer
+    layout: Any = None
+    tensors: list[torch.Tensor] = []
+    error: Exception | None = None
     try:
-        _root(what, comm.Get_size(), root_rank)
-        if not isinstance(optimizer, (torch.optim.Optimizer, mgr_torch.DistributedOptimizer)):
+        if not isinstance(inner, torch.optim.Optimizer):
             raise TypeError(f"{what}: optimizer: expected a torch optimizer or a DistributedOptimizer, got "
                             f"{type(optimizer).__name__}")
-    except (TypeError, ValueError) as exc:
+        if not inner.state:
+            _zero_grads(inner)
+        if me == root_rank:
+            layout = _strip(inner.state_dict(), tensors)
+    except Exception as exc:
         error = exc
-    raise_everywhere(comm, error)
-    mgr_torch.broadcast_optimizer_state(optimizer, root=int(root_rank), group=comm)
+    if error is not None:
+        check(what, (), error, process_set)
+    layout = broadcast_object(layout, root_rank, name=None, process_set=process_set)
+    if me != root_rank:
+        tensors = []
+        layout = _rebuild(layout, tensors)
+    if tensors:
+        grouped_broadcast_(tensors, root_rank, process_set=process_set)
+    error = None
+    if me != root_rank:
+        try:
+            inner.load_state_dict(layout)
+        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
+            error = ValueError(f"{what}: load_state_dict of rank {root_rank}'s optimizer state failed: {exc}")
+    check(what, (), error, process_set)
+
+
+def _zero_grads(inner: torch.optim.Optimizer) -> None:
+    """Zero gradients where there are none (sparse ones for ``SparseAdam``), as Horovod leaves them."""
+    for group in inner.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+                if isinstance(inner, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+
+
+class _Tensor:
+    """A tensor's place in a state's layout: its position among the tensors, shape and dtype."""
+
+    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self.index, self.shape, self.dtype = index, shape, dtype
+
+
+def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a :class:`_Tensor`; the tensors (contiguous, on the host) appended."""
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj.detach().to("cpu").contiguous())
+        return _Tensor(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, dict):
+        return {k: _strip(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_strip(v, tensors) for v in obj)
+    return obj
+
+
+def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`_strip`, with empty tensors to receive the bytes."""
+    if isinstance(obj, _Tensor):
+        tensors.append(torch.empty(obj.shape, dtype=obj.dtype))
+        return tensors[-1]
+    if isinstance(obj, dict):
+        return {k: _rebuild(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_rebuild(v, tensors) for v in obj)
+    return obj
+
+
+def _payload(obj: Any) -> np.ndarray:
+    return np.frombuffer(pickle.dumps(obj), dtype=np.uint8).copy()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set) -> Any:
-    """Rank ``root_rank``'s ``obj`` (pickled), returned on every rank (collective).
+    """Rank ``root_rank``'s ``obj`` (pickled; a global rank in the process set), returned on every rank of the set.
 
     Raises:
-        ValueError, NotImplementedError: on every rank, for a bad
-            ``root_rank`` or process set on any rank.
+        ValueError: on every rank, for a bad ``root_rank`` on any rank.
     """
-    what = "broadcast_object"
-    comm = current(what).comm
-    error = None
-    try:
-        _root(what, comm.Get_size(), root_rank)
-        check_global(process_set, what)
-    except (ValueError, NotImplementedError) as exc:
-        error = exc
-    raise_everywhere(comm, error)
-    return comm.bcast(obj, root=int(root_rank))
+    what = "hvd.broadcast_object"
+
+    def prepare(info: SetInfo) -> Prepared:
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or root_rank not in info.ranks:
+            raise ValueError(f"{what}: root_rank: expected a rank of the process set {list(info.ranks)}, got "
+                             f"{root_rank!r}")
+        mine = _payload(obj) if current(what).comm.Get_rank() == root_rank else np.zeros(0, np.uint8)
+        return {"root": root_rank, "splits": (mine.size,)}, Local([mine]), \
+            lambda response, outputs: pickle.loads(outputs[0].tobytes())
+
+    return wait(submit(what, "bcast_object", process_set, name, prepare, True))
 
 
-def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
-    """Every rank's ``obj`` (pickled), as a list in rank order, on every rank (collective)."""
-    return current("allgather_object").comm.allgather(obj)
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = global_process_set) -> list[Any]:
+    """Every rank's ``obj`` (pickled), as a list in rank order (of the process set), on every rank of the set."""
+    what = "hvd.allgather_object"
+
+    def prepare(info: SetInfo) -> Prepared:
+        mine = _payload(obj)
+
+        def finish(response: Any, outputs: list[Any]) -> list[Any]:
+            recv, sizes = outputs[0]
+            starts = np.cumsum([0, *sizes])
+            return [pickle.loads(recv[starts[r]:starts[r + 1]].tobytes()) for r in range(len(sizes))]
+
+        return {"splits": (mine.size,)}, Local([mine]), finish
+
+    return wait(submit(what, "gather_object", process_set, name, prepare, True))

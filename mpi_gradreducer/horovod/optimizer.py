@@ -4,44 +4,65 @@ Horovod's arguments become the reducer's options: ``op=Sum`` is
 ``mean=False``; ``Compression.fp16`` is the reducer's 16-bit wire format
 (``compression="fp16"``) with ``gradient_predivide_factor`` as its
 ``predivide`` (Horovod's prescale ``1/f`` and postscale ``f/size``);
-``groups``/``num_groups`` become fusion ids. Everything else (hooks that
-reduce while backward runs, ``synchronize``, ``skip_synchronize``, misuse
-raised on every rank) is the wrapped class's.
+``groups``/``num_groups`` become fusion ids; ``process_set`` is the
+reducer's communicator (a rank outside the set steps alone, as in Horovod).
+Everything else (hooks that reduce while backward runs, ``synchronize``,
+``skip_synchronize``, misuse raised on every rank) is the wrapped class's.
+
+Sparse gradients (``nn.Embedding(sparse=True)``) are gathered on the
+package's row-sparse path (every rank's rows, no dense copy), after the
+dense reduction; with ``sparse_as_dense=True`` they are reduced dense and
+made sparse again, as in Horovod. Which parameters had sparse gradients on
+some rank rides with the reduction's flags, so a step sends nothing more
+when there are none.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from .. import torch as mgr_torch
 from .._core.options import Options
-from .collectives import raise_everywhere
+from .._core.sparse import allgather_rowsparse
+from .agreement import check
 from .context import current
-from .elastic import internal_errors
+from .exceptions import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
-from .process_sets import check_global, global_process_set
+from .process_sets import global_process_set
+from .sparse import from_rowsparse, to_rowsparse
+from .submit import set_of
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "join_optimizers"]
 
 _WHAT = "DistributedOptimizer"
+#: Horovod's warning when step() follows synchronize() outside skip_synchronize().
+STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                          "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
 class DistributedOptimizer(mgr_torch.DistributedOptimizer):
     """Horovod's ``hvd.DistributedOptimizer``: gradients are reduced across the ranks, then the optimizer steps.
 
-    Construction is collective; bad arguments on any rank raise the same
-    error on every rank, before anything is changed.
+    Construction is collective over the process set; bad arguments on any
+    rank raise the same error on every rank, before anything is changed.
 
     Args:
         optimizer: the torch optimizer to wrap.
         named_parameters: ``(name, parameter)`` tuples (usually
             ``model.named_parameters()``) naming every parameter of the
-            optimizer, each name once; used in messages.
+            optimizer, each name once; used in messages. Default: Horovod's
+            ``allreduce.noname.<group>.<index>``.
         compression: ``Compression.none`` or ``Compression.fp16``.
         backward_passes_per_step: backward passes accumulated (summed)
             locally before the gradients are reduced.
@@ -55,9 +76,10 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         groups: an int ``k`` (the parameters in ``k`` consecutive groups of
             near-equal count) or lists of parameters, each list reduced
             together and every other parameter alone.
-        sparse_as_dense: sparse gradients are made dense before the reduction
-            (and stay dense); without it a sparse gradient is refused.
-        process_set: only ``global_process_set``.
+        sparse_as_dense: sparse gradients are reduced dense, then made sparse
+            again; without it they are gathered sparse.
+        process_set: the ranks that average their gradients; a rank outside
+            the set makes the optimizer too and steps with its own gradients.
         options: not Horovod's: the reducer's :class:`~mpi_gradreducer.Options`,
             except what the arguments above set.
         **reducer_options: not Horovod's: any field of
@@ -65,8 +87,8 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
             set (``progress``, ``bucket_bytes``, ``timeout``, ``timeline``, ...).
 
     Raises:
-        ValueError, TypeError, NotImplementedError: on every rank, for a bad
-            argument on any rank.
+        ValueError, TypeError, NotImplementedError: on every rank of the
+            process set, for a bad argument on any of them.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer,
@@ -75,31 +97,50 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
                  sparse_as_dense: bool = False, process_set: Any = global_process_set, *,
                  options: Options | None = None, **reducer_options: Any) -> None:
-        comm = current("hvd.DistributedOptimizer(...)").comm
+        ctx = current("hvd.DistributedOptimizer(...)")
+        member = process_set is None or getattr(process_set, "included", lambda: True)() is not False
         error: BaseException | None = None
         asked = Options()
-        names: list[str] = []
+        names: dict[Any, str] = {}
+        params: list[torch.Tensor] = []
+        comm: MPI.Intracomm = MPI.COMM_SELF
         try:
+            if member:
+                comm = set_of(_WHAT, process_set).comm
             if num_groups != 0:
                 warnings.warn("num_groups is deprecated (as in Horovod): use groups", DeprecationWarning, stacklevel=2)
                 if groups is None:
                     groups = num_groups
-            horovods, names = _options(optimizer, named_parameters, compression, op, gradient_predivide_factor,
-                                       groups, process_set)
+            horovods, names, params = _options(optimizer, named_parameters, compression, op,
+                                               gradient_predivide_factor, groups)
             taken = sorted(set(reducer_options) & {"mean", "compression", "predivide", "fusion", "fusion_type",
                                                    "split_indices", "group"})
             if taken:
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
-                                "gradient_predivide_factor, groups); not accepted as reducer options")
+                                "gradient_predivide_factor, groups, process_set); not accepted as reducer options")
             asked = (Options() if options is None else options).replace(**reducer_options, **horovods)
-        except Exception as exc:  # raised on every rank, never on one alone
+        except Exception as exc:  # raised on every rank of the set, never on one alone
             error = exc
-        raise_everywhere(comm, error)
-        self._densify_hooks = [p.register_post_accumulate_grad_hook(_densify) for p in _params(optimizer)] \
-            if sparse_as_dense else []  # registered first: they run before the reduction's hooks
+        if member:
+            check(_WHAT, (), error, process_set)
+        elif error is not None:
+            raise error
+        #: Horovod's map of each parameter to its name.
+        self._parameter_names = names
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.process_set = process_set
+        self._sparse_params = params  # the parameters that require grad, in the wrapped class's order
+        self._sparse: dict[int, torch.Tensor] = {}  # sparse gradients of this step, set aside
+        self._sparse_dims: dict[int, int] = {}  # their sparse dimensions
+        self._found: list[tuple[int, int]] = []  # (parameter, sparse dimensions) sparse on some rank
+        self._had_sparse: dict[int, int] = {}  # parameters with sparse gradients last step: sparse dimensions
+        self._skipping = False
+        me = weakref.ref(self)
+        self._sparse_hooks = [p.register_post_accumulate_grad_hook(_sparse_hook(me, i))
+                              for i, p in enumerate(params)]  # registered first: they run before the reduction's
         super().__init__(optimizer, backward_passes_per_step=backward_passes_per_step, group=comm, options=asked)
-        self._names = names
         self.op = ReduceOp.Average if asked.mean else ReduceOp.Sum
+        ctx.optimizers.append(weakref.ref(self))
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -114,15 +155,10 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         """
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"set_backward_passes_per_step: passes: expected an int >= 1, got {passes!r}")
-        if self._fired_any:
+        if self._backward_ran():
             raise ValueError("set_backward_passes_per_step: backward ran since the last step(); call it between "
                              "steps")
         self.passes = passes
-
-    def synchronize(self) -> None:
-        """Finish the reduction (collective); a lost rank raises :class:`HorovodInternalError`, as in Horovod."""
-        with internal_errors():
-            super().synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients; between ``backward()`` and ``step()`` it raises on every rank.
@@ -130,38 +166,171 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
         The misuse is Horovod's (it raises ``AssertionError`` on the rank
         that made it); here every rank raises the same ``RuntimeError``: the
         misusing rank in ``zero_grad``, the others in ``step()``, and the
-        optimizer is usable again after it.
+        optimizer is usable again after it. Sparse gradients zeroed in place
+        stay sparse.
         """
-        if self._fired_any and not self._synchronized:
-            self._fail(mgr_torch._ZERO_GRAD, "optimizer.zero_grad() was called after loss.backward() but before "
-                                             "optimizer.step() or optimizer.synchronize(); call zero_grad() before "
-                                             "backward() (or after step())")
-            self.synchronize()  # raises on every rank: the others are in step() or synchronize()
+        if self._backward_ran() and not self.synchronized:
+            self._refuse_zero_grad("optimizer.zero_grad() was called after loss.backward() but before "
+                                   "optimizer.step() or optimizer.synchronize(); call zero_grad() before backward() "
+                                   "(or after step())")
         super().zero_grad(set_to_none)
+        self._sparse.clear()
+        if not set_to_none:
+            for i, dims in self._had_sparse.items():
+                self._sparse_params[i].grad = _empty_sparse(self._sparse_params[i], dims)
+
+    def synchronize(self) -> None:
+        """Finish the reduction (see the wrapped class); sparse gradients are then gathered (collective).
+
+        Raises:
+            HorovodInternalError: a rank was lost (as in Horovod; ``hvd.elastic.run`` recovers from it).
+            RuntimeError: as the wrapped class; and on the ranks not in
+                ``join()`` when some rank is (sparse gradients need every rank:
+                use ``sparse_as_dense=True`` with ``join``).
+        """
+        if self.synchronized:
+            return
+        try:
+            with internal_errors():
+                super().synchronize()
+        except BaseException:
+            self._sparse.clear()
+            self._found = []
+            raise
+        found, self._found = self._found, []
+        self._had_sparse = dict(found)
+        if found:
+            with internal_errors():
+                self._finish_sparse(found)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Wait for the reduction (unless in ``skip_synchronize()``), then step the wrapped optimizer.
+
+        Warns, as Horovod, when ``synchronize()`` was called and this step is
+        not inside ``skip_synchronize()``.
+        """
+        if self.synchronized and not self._skipping:
+            warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+        return super().step(closure)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` in this block does not reduce: call ``synchronize()`` before it (e.g. to clip)."""
+        self._skipping = True
+        try:
+            with super().skip_synchronize():
+                yield
+        finally:
+            self._skipping = False
 
     def free(self) -> None:
         """Remove the hooks and free the reducer (collective). Idempotent."""
-        for h in self._densify_hooks:
+        for h in self._sparse_hooks:
             h.remove()
-        self._densify_hooks = []
+        self._sparse_hooks = []
         super().free()
 
+    # -- sparse gradients --------------------------------------------------------------------------------
 
-def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    def _side_flags(self) -> int:
+        return 2 * len(self._sparse_params)
+
+    def _side_values(self, out: np.ndarray) -> None:
+        for i, dims in self._sparse_dims.items():
+            out[2 * i], out[2 * i + 1] = 1.0, float(dims)
+        self._sparse_dims = {}
+
+    def _side_reduced(self, values: np.ndarray) -> None:
+        pairs = values.reshape(-1, 2)
+        self._found = [(int(i), int(round(pairs[i, 1] / pairs[i, 0]))) for i in np.flatnonzero(pairs[:, 0] > 0)]
+
+    def _on_sparse(self, i: int, p: torch.Tensor) -> None:
+        """The hook of parameter ``i`` when its gradient is sparse: set it aside (or make it dense)."""
+        g = p.grad
+        assert g is not None
+        self._sparse_dims[i] = g.sparse_dim()
+        if self.sparse_as_dense:
+            p.grad = g.to_dense()
+            return
+        self._sparse[i] = g if i not in self._sparse else self._sparse[i] + g  # passes accumulate
+        p.grad = None
+
+    def _finish_sparse(self, found: list[tuple[int, int]]) -> None:
+        if self.reducer.contributors != self.comm.Get_size():
+            self._sparse.clear()
+            raise RuntimeError(f"{_WHAT}: sparse gradients cannot be gathered while a rank is in join() (it takes "
+                               "part in the dense reduction only): pass sparse_as_dense=True to reduce them dense")
+        size = self.comm.Get_size()
+        for i, dims in found:
+            p = self._sparse_params[i]
+            if self.sparse_as_dense:
+                if p.grad is not None:
+                    p.grad = p.grad.to_sparse(dims)
+                continue
+            mine = self._sparse.pop(i, None)
+            if mine is None:  # unused here: no rows
+                mine = _empty_sparse(p, dims).cpu()
+            gathered = allgather_rowsparse(self.comm, to_rowsparse(mine))
+            like = mine if mine.sparse_dim() == dims else mine.to_dense().to_sparse(dims)
+            result = from_rowsparse(gathered, like, float(size) if self.op == ReduceOp.Average else 1.0)
+            p.grad = result if p.grad is None else p.grad + result  # dense on some rank: summed with it
+        self._sparse.clear()
 
 
-def _densify(p: torch.Tensor) -> None:
-    if p.grad is not None and p.grad.layout != torch.strided:
-        p.grad = p.grad.to_dense()
+def _empty_sparse(p: torch.Tensor, dims: int) -> torch.Tensor:
+    """A sparse zero like ``p``'s gradient, with ``dims`` sparse dimensions."""
+    return torch.sparse_coo_tensor(torch.zeros((dims, 0), dtype=torch.int64), torch.zeros((0, *p.shape[dims:]),
+                                   dtype=p.dtype), p.shape, check_invariants=False).to(p.device)
 
 
-def _options(optimizer: Any, named_parameters: Any, compression: Any, op: Any, factor: Any, groups: Any,
-             process_set: Any) -> tuple[dict[str, Any], list[str]]:
-    """The reducer's options and the parameters' names (local; raises on bad arguments)."""
+def _sparse_hook(me: weakref.ReferenceType[DistributedOptimizer], i: int) -> Callable[[torch.Tensor], None]:
+    def hook(p: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None and p.grad is not None and p.grad.layout == torch.sparse_coo:
+            opt._on_sparse(i, p)
+
+    return hook
+
+
+@contextlib.contextmanager
+def join_optimizers() -> Iterator[None]:
+    """Within this block, this rank takes part in the steps of every live ``hvd.DistributedOptimizer``.
+
+    ``hvd.join()`` runs in it: each optimizer's own ``join()`` (the wrapped
+    class's: it takes part in the other ranks' reductions with nothing, and
+    once every rank has joined copies the parameters and optimizer state of
+    the rank that took the most steps into every rank's) runs on a thread of
+    its own, while the engine serves the other collectives.
+    """
+    ctx = current("hvd.join")
+    live = [opt for ref in ctx.optimizers if (opt := ref()) is not None and opt.reducer.comm != MPI.COMM_NULL]
+    ctx.optimizers[:] = [weakref.ref(opt) for opt in live]
+    errors: list[BaseException] = []
+
+    def run(opt: DistributedOptimizer) -> None:
+        try:
+            opt.join()
+        except BaseException as exc:  # raised on the caller's thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(opt,), name="mpi_gradreducer-horovod-join", daemon=True)
+               for opt in live]
+    for t in threads:
+        t.start()
+    try:
+        yield
+    finally:
+        for t in threads:
+            t.join()
+    if errors:
+        raise errors[0]
+
+
+def _options(optimizer: Any, named_parameters: Any, compression: Any, op: Any, factor: Any,
+             groups: Any) -> tuple[dict[str, Any], dict[Any, str], list[torch.Tensor]]:
+    """The reducer's options, each parameter's name and the parameters that require grad (local; raises)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"{_WHAT}: optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    check_global(process_set, _WHAT)
     reduce_op = resolve_op(op, None, _WHAT)
     if reduce_op not in (Average, Sum):
         raise ValueError(f"{_WHAT}: op: expected Average or Sum, got {reduce_op.name}")
@@ -181,18 +350,22 @@ def _options(optimizer: Any, named_parameters: Any, compression: Any, op: Any, f
         raise TypeError(f"{_WHAT}: compression: expected Compression.none or Compression.fp16, got {compression!r}")
     options["mean"] = reduce_op == Average
     params = _params(optimizer)
-    names = _names(optimizer, named_parameters, params)
+    names = _names(optimizer, named_parameters)
     ids = _fusion_ids(groups, params)
     if ids is not None:
         options["fusion"] = ids
-    return options, names
+    return options, names, params
 
 
-def _names(optimizer: torch.optim.Optimizer, named_parameters: Any, params: list[torch.Tensor]) -> list[str]:
-    """Horovod's checks of ``named_parameters``; the names of ``params``."""
-    every = [p for g in optimizer.param_groups for p in g["params"]]
+def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _names(optimizer: torch.optim.Optimizer, named_parameters: Any) -> dict[Any, str]:
+    """Horovod's checks of ``named_parameters``; each parameter's name (Horovod's ``_parameter_names``)."""
     if named_parameters is None:
-        named = [(f"allreduce.noname.{i}", p) for i, p in enumerate(every)]
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(optimizer.param_groups)
+                 for j, p in enumerate(g["params"])]
     else:
         named = list(named_parameters)
     bad = [i for i, item in enumerate(named) if not (isinstance(item, tuple) and len(item) == 2)]
@@ -212,7 +385,7 @@ def _names(optimizer: torch.optim.Optimizer, named_parameters: Any, params: list
     if unnamed:
         raise ValueError(f"{_WHAT}: named_parameters: expected every parameter of the optimizer to be named, got "
                          f"{len(unnamed)} unnamed: {', '.join(unnamed[:5])}")
-    return [f"parameter {by_id[id(p)]!r}" for p in params]
+    return {p: k for k, p in sorted(named, key=lambda item: str(item[0]))}
 
 
 def _fusion_ids(groups: Any, params: list[torch.Tensor]) -> list[int] | None:
