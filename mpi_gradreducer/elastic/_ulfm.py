@@ -13,18 +13,22 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 import types
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 from mpi4py import MPI
 
-__all__ = ["FAILURE_CLASSES", "communicators_in", "failure_of", "lost_ranks", "returning", "revoke", "shrink",
-           "ulfm_available", "why_no_ulfm"]
+__all__ = ["FAILURE_CLASSES", "communicators_in", "failed_meanwhile", "failure_of", "lost_ranks", "returning", "revoke",
+           "shrink", "ulfm_available", "why_no_ulfm"]
 
 #: The error classes that mean "a process of this communicator is gone" (or a peer said so by revoking it).
 FAILURE_CLASSES = frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
                                                             "ERR_REVOKED") if hasattr(MPI, name))
+
+#: Seconds :func:`failed_meanwhile` waits for the failure detector to report a process lost.
+DETECTION_SECONDS = 5.0
 
 #: The environment variable that Open MPI's ``mpiexec --with-ft ulfm`` sets in every process it starts.
 OMPI_FT_ENV = "OMPI_MCA_mpi_ft_enable"
@@ -91,6 +95,34 @@ def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
     new = comm.Shrink()
     assert isinstance(new, MPI.Intracomm)
     return returning(new)  # type: ignore[return-value]
+
+
+def failed_meanwhile(exc: BaseException, comm: MPI.Comm, within: float = DETECTION_SECONDS) -> bool:
+    """Whether ``exc``, an MPI error of another class, came from a lost process of ``comm`` all the same.
+
+    Open MPI 5 can report a peer killed inside a large collective as
+    ``MPI_ERR_OTHER`` (its transport saw the connection reset before the
+    failure detector told the library): that rank then waits up to
+    ``within`` seconds for ``comm`` to know of a failed process.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and not isinstance(current, MPI.Exception) and id(current) not in seen:
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    if not isinstance(current, MPI.Exception) or not hasattr(comm, "Get_failed"):
+        return False
+    deadline = time.monotonic() + within
+    while True:
+        group = comm.Get_failed()
+        try:
+            if group.Get_size() > 0:
+                return True
+        finally:
+            group.Free()
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def lost_ranks(old: MPI.Comm, new: MPI.Comm) -> list[int]:

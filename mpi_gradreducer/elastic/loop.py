@@ -94,7 +94,8 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
                      f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
         except BaseException as exc:
             if why is not None or not (_ulfm.failure_of(exc) is not None or isinstance(exc, RanksLost)
-                                       or (failure is not None and failure(exc))):
+                                       or (failure is not None and failure(exc))
+                                       or _ulfm.failed_meanwhile(exc, world.comm)):
                 raise
             state.restore()
             state.failure = world.recover(exc)
