@@ -1,61 +1,27 @@
-"""torch in three lines: a ``DistributedOptimizer`` that reduces gradients while backward runs.
+"""The ``DistributedOptimizer``: an optimizer wrapper whose gradients are reduced while backward runs.
 
-Importing this module imports torch; nothing else in the package does::
-
-    from mpi_gradreducer.torch import DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state
-
-    broadcast_parameters(model)                 # rank 0's parameters and buffers into every rank's
-    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    broadcast_optimizer_state(opt)              # rank 0's optimizer state into every rank's
-    for x, y in data:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()         # each gradient is reduced as soon as autograd finishes it
-        opt.step()                              # waits for the reduction, then steps
-
-How it works. The wrapper builds a :class:`~mpi_gradreducer.DistributedGradReducer`
-from the optimizer's parameters and keeps one gradient tensor per parameter
-over the reducer's own fusion buffers (``allocate_grads``: buckets made of
-them are reduced where they lie). A post-accumulate-grad hook on every
-parameter moves torch's fresh gradient into that tensor (a copy, or nothing
-when backward accumulated into it), makes it the parameter's ``.grad`` and
-declares it ready (``ReductionStep.ready``): buckets are launched in plan
-order while backward goes on, advanced as the reducer's ``progress`` says.
-``step()`` declares the rest ready and waits.
-
-Unused parameters need no graph traversal. The reducer gets one more
-gradient, before the parameters: a small vector of flags, written at
-``step()``, that rides in the last bucket. Each rank puts a non-zero value
-for every parameter it has a gradient for, and in its own slot for each kind
-of misuse it saw; the reduction itself tells every rank which parameters
-some rank used (their ``.grad`` gets the average, zeros stood for the others)
-and which rank misused what. A healthy step sends nothing more than the
-gradients, and a rank in :meth:`DistributedOptimizer.join` takes part in it as
-in any reduction (its flags are zeros).
+See the package's docstring for how it works.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import math
-import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
-from ._core import agreement, backend, groups, interop, planning
-from ._core.options import Options
-from ._core.rendezvous import tcp_rendezvous
-from ._core.shard import Shard
-from ._core.steps import ReductionStep
-from .reducer import DistributedGradReducer
+from .._core import agreement, groups, planning
+from .._core.options import Options
+from .._core.steps import ReductionStep
+from ..reducer import DistributedGradReducer
+from .state import send_state
+from .tensors import bytes_of, check_same_tensors
 
-__all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",
-           "init_gloo"]
+__all__ = ["MISUSES", "DistributedOptimizer"]
 
 #: The kinds of misuse a rank reports in the flags, by slot (one slot per kind and rank).
 MISUSES = (
@@ -66,9 +32,6 @@ MISUSES = (
     "zero_grad() was called after backward() and before step() or synchronize()",
 )
 _NO_BACKWARD, _WRITTEN, _CHANGED, _NOT_DENSE, _ZERO_GRAD = range(len(MISUSES))
-#: dtypes named in the cross-rank comparison of models, by code (anything else: "other").
-_DTYPES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "uint8", "int16",
-           "int32", "int64", "bool")
 
 
 class DistributedOptimizer:
@@ -124,7 +87,7 @@ class DistributedOptimizer:
         except (TypeError, ValueError) as exc:
             error = exc
         agreement.raise_if_any(comm, error)
-        _check_same_tensors(comm, self._params, self._names)
+        check_same_tensors(comm, self._params, self._names)
         self.passes = backward_passes_per_step
         size, rank = comm.Get_size(), comm.Get_rank()
         first = self._params[0]
@@ -360,9 +323,9 @@ class DistributedOptimizer:
         counts = np.array(self._control.allgather(self._steps), dtype=np.int64)
         root = int(np.argmax(counts))
         with torch.no_grad():
-            groups.broadcast_parameters([_bytes_of(p.detach()) for p in self._params], root=root,
+            groups.broadcast_parameters([bytes_of(p.detach()) for p in self._params], root=root,
                                         group=self._control)
-        broadcast_optimizer_state(self, root=root)
+        send_state(self.comm, self.optimizer, root)
         self._reset()
         return root
 
@@ -523,212 +486,3 @@ def _as_tensor(view: Any, like: torch.Tensor) -> torch.Tensor:
     if t is None or t.dtype != like.dtype or t.shape != like.shape or t.device != like.device:
         t = torch.zeros_like(like, memory_format=torch.contiguous_format).detach()
     return t
-
-
-def _tensor_row(t: torch.Tensor) -> tuple[int, ...]:
-    name = str(t.dtype).replace("torch.", "")
-    code = _DTYPES.index(name) if name in _DTYPES else len(_DTYPES)
-    return (code, int(t.device.type == "cuda"), t.dim(), *t.shape)
-
-
-def _describe_row(row: tuple[int, ...]) -> str:
-    dtype = _DTYPES[row[0]] if row[0] < len(_DTYPES) else "other dtype"
-    return f"shape {tuple(row[3:])} {dtype} on {'cuda' if row[1] else 'cpu'}"
-
-
-def _check_same_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Raise ``ValueError`` on every rank unless every rank has tensors of the same shapes and dtypes (collective).
-
-    Args:
-        comm: the ranks that must agree.
-        tensors: this rank's tensors, in order.
-        names: what each tensor is, for the message (e.g. ``"parameter 'fc.weight'"``).
-
-    Raises:
-        ValueError: naming the first tensor that differs, the two ranks and what each has.
-    """
-    agreement.check_same(comm, [_tensor_row(t) for t in tensors], lambda i, row: _describe_row(row),
-                         lambda i: names[i] if i < len(names) else f"tensor {i}")
-
-
-def broadcast_parameters(model: torch.nn.Module | Iterable[torch.Tensor], root: int = 0,
-                         group: MPI.Intracomm | None = None) -> None:
-    """Copy rank ``root``'s parameters and buffers into every rank's, in place (collective).
-
-    Args:
-        model: a ``torch.nn.Module`` (its parameters, then its buffers), or
-            tensors (the same on every rank).
-        root: the rank whose values everyone takes.
-        group: the communicator; default ``MPI.COMM_WORLD``.
-
-    Raises:
-        ValueError: on every rank, when the models differ (naming the first
-            parameter or buffer that does, and both ranks).
-    """
-    comm = MPI.COMM_WORLD if group is None else group
-    named: list[tuple[str, torch.Tensor]]
-    if isinstance(model, torch.nn.Module):
-        named = [(f"parameter {n!r}", t) for n, t in model.named_parameters()]
-        named += [(f"buffer {n!r}", t) for n, t in model.named_buffers()]
-    else:
-        named = [(f"tensors[{i}]", t) for i, t in enumerate(model)]
-    tensors = [t.detach() for _, t in named]
-    _check_same_tensors(comm, tensors, [n for n, _ in named])
-    with torch.no_grad():
-        groups.broadcast_parameters([_bytes_of(t) for t in tensors], root=root, group=comm)
-
-
-def init_gloo(comm: MPI.Intracomm | None = None, timeout: float = 300.0) -> None:
-    """Start ``torch.distributed``'s default process group over gloo, with the ranks of ``comm`` (collective).
-
-    For a comparison with DDP, or torch code that needs a process group
-    beside the reducer: rank ``r`` of ``comm`` is rank ``r`` of the group.
-    The ranks meet at an address of rank 0 that every rank can reach
-    (``tcp_rendezvous``; ``127.0.0.1`` where
-    they share one host), and gloo binds to the interface that leads there,
-    unless ``GLOO_SOCKET_IFNAME`` is set already. Across hosts whose host
-    names resolve to a loopback address, torch's own defaults would leave
-    the ranks waiting for each other until ``timeout``.
-
-    Args:
-        comm: the ranks; default ``MPI.COMM_WORLD``.
-        timeout: seconds gloo waits for the other ranks, at the rendezvous and in each collective.
-
-    Raises:
-        RuntimeError: on every rank, when no address of rank 0 is routable from every rank.
-    """
-    import torch.distributed as dist
-
-    comm = MPI.COMM_WORLD if comm is None else comm
-    meet = tcp_rendezvous(comm)
-    if meet.interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", meet.interface)
-    dist.init_process_group("gloo", init_method=meet.url, rank=comm.Get_rank(), world_size=comm.Get_size(),
-                            timeout=datetime.timedelta(seconds=timeout))
-
-
-def _bytes_of(t: torch.Tensor) -> Any:
-    """A numpy (or cupy) view of ``t``'s bytes; bfloat16 and bool as unsigned ints."""
-    if t.dtype in (torch.bfloat16, torch.bool):
-        t = t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.uint8)
-    return interop.view(t)
-
-
-def broadcast_optimizer_state(optimizer: DistributedOptimizer | torch.optim.Optimizer, root: int = 0,
-                              group: MPI.Intracomm | None = None) -> None:
-    """Copy rank ``root``'s optimizer state (and hyper-parameters) into every rank's optimizer (collective).
-
-    The state's layout travels pickled, its tensors as raw bytes; every rank
-    other than ``root`` loads the result with ``load_state_dict``.
-
-    Args:
-        optimizer: a :class:`DistributedOptimizer` (its communicator is used)
-            or a torch optimizer.
-        root: the rank whose state everyone takes.
-        group: the communicator for a torch optimizer; default ``MPI.COMM_WORLD``.
-
-    Raises:
-        ValueError: on every rank, when some rank's optimizer cannot take
-            ``root``'s state (other param groups), naming that rank.
-    """
-    if isinstance(optimizer, DistributedOptimizer):
-        comm, inner = optimizer.comm, optimizer.optimizer
-    else:
-        comm, inner = (MPI.COMM_WORLD if group is None else group), optimizer
-    rank = comm.Get_rank()
-    tensors: list[torch.Tensor] = []
-    layout = None
-    if rank == root:
-        layout = _strip(inner.state_dict(), tensors)
-    layout = comm.bcast(layout, root=root)
-    if rank != root:
-        tensors = []
-        layout = _rebuild(layout, tensors)
-    for t in tensors:
-        flat = t.reshape(-1)
-        if flat.numel():
-            comm.Bcast(flat.view(torch.uint8).numpy(), root=root)
-    error = None
-    if rank != root:
-        try:
-            inner.load_state_dict(layout)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            error = ValueError(f"load_state_dict of rank {root}'s optimizer state failed: {exc}")
-    agreement.raise_if_any(comm, error)
-
-
-class _Tensor:
-    """A tensor's place in a state's layout: its position among the tensors, shape and dtype."""
-
-    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_Tensor`; the tensors (contiguous, on the host) appended."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().to("cpu").contiguous())
-        return _Tensor(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of :func:`_strip`, with empty tensors to receive the bytes."""
-    if isinstance(obj, _Tensor):
-        tensors.append(torch.empty(obj.shape, dtype=obj.dtype))
-        return tensors[-1]
-    if isinstance(obj, dict):
-        return {k: _rebuild(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, tensors) for v in obj)
-    return obj
-
-
-def clip_grad_norm_(target: DistributedOptimizer | Shard, max_norm: float, norm_type: float = 2.0) -> float:
-    """Scale the averaged gradients in place so that their total norm is at most ``max_norm``.
-
-    For a :class:`DistributedOptimizer`, call it between ``synchronize()``
-    and ``step()`` (inside ``skip_synchronize()``): every rank then holds the
-    same averaged gradients, and this is ``torch.nn.utils.clip_grad_norm_``
-    over them. For a sharded step (a :class:`~mpi_gradreducer.Shard`
-    from ``reducer.reduce_scatter``), each rank holds only its pieces: their
-    norms are combined across the ranks (one small Allreduce), and every
-    rank scales its pieces by the same factor.
-
-    Args:
-        target: the optimizer, synchronized, or a shard.
-        max_norm: the largest total norm allowed.
-        norm_type: the p of the p-norm (``math.inf`` for the largest magnitude).
-
-    Returns:
-        The total norm before clipping (the same on every rank).
-
-    Raises:
-        RuntimeError: for an optimizer that is not synchronized.
-    """
-    if isinstance(target, DistributedOptimizer):
-        if not target.synchronized:
-            raise RuntimeError("clip_grad_norm_: call opt.synchronize() first, then step() inside "
-                               "opt.skip_synchronize()")
-        grads = [p for p in target._params if p.grad is not None]
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm, norm_type=norm_type))
-    if not isinstance(target, Shard):
-        raise TypeError(f"clip_grad_norm_: expected a DistributedOptimizer or a Shard, got {type(target).__name__}")
-    p = float(norm_type)
-    local = np.zeros(1, dtype=np.float64)
-    for piece in target:
-        grad = piece.grad if isinstance(piece.grad, np.ndarray) else backend.to_numpy(piece.grad)  # device pieces
-        g = np.abs(grad.astype(np.float64, copy=False))
-        if g.size:
-            local[0] = max(local[0], float(g.max())) if math.isinf(p) else local[0] + float(np.sum(g ** p))
-    target.comm.Allreduce(MPI.IN_PLACE, local, op=MPI.MAX if math.isinf(p) else MPI.SUM)
-    total = float(local[0]) if math.isinf(p) else float(local[0]) ** (1.0 / p)
-    coef = max_norm / (total + 1e-6)
-    if coef < 1.0:
-        for piece in target:
-            piece.grad[...] *= coef
-    return total
