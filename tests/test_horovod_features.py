@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import warnings
 
@@ -232,22 +233,32 @@ def test_timeline_records_negotiation_and_data_movement(hvd, torch):
     hvd.broadcast(torch.ones(2), root_rank=0, name="b")
     hvd.stop_timeline()
     hvd.stop_timeline()  # not started: nothing
-    if RANK == 0:
-        with open(first) as f:
-            text = f.read()
-        events = json.loads(text)["traceEvents"]
-        names = {e["name"] for e in events if e.get("ph") == "X"}
-        assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "NEGOTIATE_ALLGATHER", "ALLGATHER", "CYCLE_START"} <= names
-        tensors = {e["args"].get("tensor") for e in events if e.get("ph") == "X"}
-        assert "allreduce.test_allreduce" in tensors
-        assert "start_time_since_epoch_in_micros" in text  # the checks of Horovod's own (skipped) timeline test
-        assert {e["pid"] for e in events} == set(range(SIZE))  # every rank's events
-        with open(second) as f:
-            events = json.loads(f.read())["traceEvents"]
-        names = {e["name"] for e in events if e.get("ph") == "X"}
-        assert "BROADCAST" in names and "CYCLE_START" not in names and "ALLREDUCE" not in names
+    try:
+        if RANK == 0:
+            _check_timelines(first, second)
+    finally:
+        WORLD.barrier()  # every rank has written; then the folder goes
+        if RANK == 0:
+            shutil.rmtree(folder)
     with pytest.raises(TypeError, match=r"file_path: expected a path, got int"):
         hvd.start_timeline(3)
+
+
+def _check_timelines(first: str, second: str) -> None:
+    """Rank 0 reads both files: every rank's events, negotiations and data movement, one file each."""
+    with open(first) as f:
+        text = f.read()
+    events = json.loads(text)["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "NEGOTIATE_ALLGATHER", "ALLGATHER", "CYCLE_START"} <= names
+    tensors = {e["args"].get("tensor") for e in events if e.get("ph") == "X"}
+    assert "allreduce.test_allreduce" in tensors
+    assert "start_time_since_epoch_in_micros" in text  # the checks of Horovod's own (skipped) timeline test
+    assert {e["pid"] for e in events} == set(range(SIZE))  # every rank's events
+    with open(second) as f:
+        events = json.loads(f.read())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert "BROADCAST" in names and "CYCLE_START" not in names and "ALLREDUCE" not in names
 
 
 # -- the optimizer: Horovod's behaviours --------------------------------------------------------------------
