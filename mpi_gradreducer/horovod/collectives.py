@@ -90,6 +90,17 @@ def _handle(what: str, handle: Any) -> Handle:
 # -- allreduce --------------------------------------------------------------------------------------
 
 
+def _deliver(out: list[torch.Tensor], given: list[torch.Tensor], inplace: bool, single: bool) -> Any:
+    """An operation's results as its call returns them: copied into the given tensors for an in-place call, one
+    tensor for a single-tensor call."""
+    if inplace:
+        with torch.no_grad():
+            for t, o in zip(given, out, strict=True):
+                t.copy_(o)
+        out = given
+    return out[0] if single else out
+
+
 def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, op: Any, prescale_factor: Any,
                      postscale_factor: Any, process_set: Any, compression: Any = Compression.none,
                      inplace: bool = False, single: bool = False, blocking: bool = False) -> Handle:
@@ -114,12 +125,7 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
         def finish(response: Any, outputs: list[Any]) -> Any:
             out = [compression.decompress(torch.from_numpy(a).reshape(c.shape).to(c.dtype).to(c.device), ctx)
                    for a, c, ctx in zip(outputs, sent, contexts, strict=True)]
-            if inplace:
-                with torch.no_grad():
-                    for t, o in zip(given, out, strict=True):
-                        t.copy_(o)
-                out = given
-            return out[0] if single else out
+            return _deliver(out, given, inplace, single)
 
         fields = {"entries": tuple(entry(c) for c in sent), "op": int(reduce_op), "factors": factors}
         return fields, Local(arrays), finish
@@ -324,12 +330,7 @@ def _broadcast_async(what: str, tensors: Any, root_rank: Any, name: Any, process
 
         def finish(response: Any, outputs: list[Any]) -> Any:
             out = [from_bytes(buf, t, t.shape) for buf, t in zip(outputs, given, strict=True)]
-            if inplace:
-                with torch.no_grad():
-                    for t, o in zip(given, out, strict=True):
-                        t.copy_(o)
-                out = given
-            return out[0] if single else out
+            return _deliver(out, given, inplace, single)
 
         return {"entries": tuple(entry(t) for t in given), "root": root}, Local([raw_bytes(t) for t in given]), \
             finish

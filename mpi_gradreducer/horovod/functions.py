@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import torch as mgr_torch
+from ..torch.state import rebuild, strip
 from .agreement import check
 from .collectives import grouped_broadcast_
 from .context import SetInfo, current
@@ -97,7 +98,7 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
         if not inner.state:
             _zero_grads(inner)
         if me == root_rank:
-            layout = _strip(inner.state_dict(), tensors)
+            layout = strip(inner.state_dict(), tensors)
     except Exception as exc:
         error = exc
     if error is not None:
@@ -105,7 +106,7 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
     layout = broadcast_object(layout, root_rank, name=None, process_set=process_set)
     if me != root_rank:
         tensors = []
-        layout = _rebuild(layout, tensors)
+        layout = rebuild(layout, tensors)
     if tensors:
         grouped_broadcast_(tensors, root_rank, process_set=process_set)
     error = None
@@ -125,37 +126,6 @@ def _zero_grads(inner: torch.optim.Optimizer) -> None:
                 p.grad = torch.zeros_like(p)
                 if isinstance(inner, torch.optim.SparseAdam):
                     p.grad = p.grad.to_sparse()
-
-
-class _Tensor:
-    """A tensor's place in a state's layout: its position among the tensors, shape and dtype."""
-
-    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self.index, self.shape, self.dtype = index, shape, dtype
-
-
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_Tensor`; the tensors (contiguous, on the host) appended."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach().to("cpu").contiguous())
-        return _Tensor(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return obj
-
-
-def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of :func:`_strip`, with empty tensors to receive the bytes."""
-    if isinstance(obj, _Tensor):
-        tensors.append(torch.empty(obj.shape, dtype=obj.dtype))
-        return tensors[-1]
-    if isinstance(obj, dict):
-        return {k: _rebuild(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, tensors) for v in obj)
-    return obj
 
 
 def _payload(obj: Any) -> np.ndarray:

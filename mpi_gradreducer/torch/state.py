@@ -9,7 +9,7 @@ from mpi4py import MPI
 
 from .._core import agreement
 
-__all__ = ["send_state"]
+__all__ = ["Placeholder", "rebuild", "send_state", "strip"]
 
 
 def send_state(comm: MPI.Intracomm, inner: torch.optim.Optimizer, root: int) -> None:
@@ -23,11 +23,11 @@ def send_state(comm: MPI.Intracomm, inner: torch.optim.Optimizer, root: int) -> 
     tensors: list[torch.Tensor] = []
     layout = None
     if rank == root:
-        layout = _strip(inner.state_dict(), tensors)
+        layout = strip(inner.state_dict(), tensors)
     layout = comm.bcast(layout, root=root)
     if rank != root:
         tensors = []
-        layout = _rebuild(layout, tensors)
+        layout = rebuild(layout, tensors)
     for t in tensors:
         flat = t.reshape(-1)
         if flat.numel():
@@ -41,32 +41,32 @@ def send_state(comm: MPI.Intracomm, inner: torch.optim.Optimizer, root: int) -> 
     agreement.raise_if_any(comm, error)
 
 
-class _Tensor:
+class Placeholder:
     """A tensor's place in a state's layout: its position among the tensors, shape and dtype."""
 
     def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
         self.index, self.shape, self.dtype = index, shape, dtype
 
 
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by a :class:`_Tensor`; the tensors (contiguous, on the host) appended."""
+def strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by a :class:`Placeholder`; the tensors (contiguous, on the host) appended."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach().to("cpu").contiguous())
-        return _Tensor(len(tensors) - 1, tuple(obj.shape), obj.dtype)
+        return Placeholder(len(tensors) - 1, tuple(obj.shape), obj.dtype)
     if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
+        return {k: strip(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
+        return type(obj)(strip(v, tensors) for v in obj)
     return obj
 
 
-def _rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """The inverse of :func:`_strip`, with empty tensors to receive the bytes."""
-    if isinstance(obj, _Tensor):
+def rebuild(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The inverse of :func:`strip`, with empty tensors to receive the bytes."""
+    if isinstance(obj, Placeholder):
         tensors.append(torch.empty(obj.shape, dtype=obj.dtype))
         return tensors[-1]
     if isinstance(obj, dict):
-        return {k: _rebuild(v, tensors) for k, v in obj.items()}
+        return {k: rebuild(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_rebuild(v, tensors) for v in obj)
+        return type(obj)(rebuild(v, tensors) for v in obj)
     return obj
