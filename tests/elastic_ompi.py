@@ -1,10 +1,12 @@
 """Launching Open MPI jobs with fault tolerance for the elastic tests, and killing their ranks from outside.
 
-One small helper (``OmpiJob``) so that the launch can move to the shared
-launcher later in one change. The job runs with the Open MPI venv's
-``mpiexec --with-ft ulfm`` (``.venv-ompi`` at the repository's root, or
-``MPI_GRADREDUCER_OMPI_VENV``), as root where needed, oversubscribed,
-with TCP on loopback only. Its whole process tree is killed on timeout.
+One small helper (``OmpiJob``): a job started in the background, so that a
+test can kill its ranks while it runs. Its command line is the package's
+launcher's (:mod:`mpi_gradreducer.launch`) for the Open MPI venv's
+``mpiexec`` (``.venv-ompi`` at the repository's root, or
+``MPI_GRADREDUCER_OMPI_VENV``) with fault tolerance, as root where needed,
+oversubscribed, with TCP on loopback only. Its whole process tree is killed
+on timeout.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from mpi_gradreducer.launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_ENV = "MPI_GRADREDUCER_OMPI_VENV"
@@ -58,17 +62,14 @@ class OmpiJob:
                  ft: bool = True) -> None:
         venv = ompi_venv()
         assert venv is not None
-        environ = {k: v for k, v in os.environ.items()
-                   if not k.startswith(("PMI_", "HYDRA_", "OMPI_", "PMIX_", "PRTE_", "MPI_GRADREDUCER_"))}
-        environ.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1",
-                       PYTHONPATH=str(ROOT) + os.pathsep + environ.get("PYTHONPATH", ""))
-        environ.pop("PYTHONUNBUFFERED", None)
-        extra = dict(env or {})
-        environ.update(extra)
-        command = [str(venv / "bin" / "mpiexec"), "--oversubscribe", "--mca", "btl_tcp_if_include", "lo",
-                   *(["--with-ft", "ulfm"] if ft else []), "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS",
-                   *[a for k in extra for a in ("-x", k)], "-n", str(ranks),
-                   str(venv / "bin" / "python"), str(ROOT / script), *args]
+        launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
+        variables = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        environ = launcher.environment({k: v for k, v in os.environ.items()
+                                        if not k.startswith("MPI_GRADREDUCER_") and k != "PYTHONUNBUFFERED"})
+        environ.update(variables)
+        environ["OMPI_MCA_btl_tcp_if_include"] = "lo"  # the jobs' TCP stays on the loopback
+        command = launcher.command([str(venv / "bin" / "python"), str(ROOT / script), *args], ranks=ranks,
+                                   oversubscribe=True, fault_tolerance=ft, env=variables)
         self.command = command
         self.proc = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
