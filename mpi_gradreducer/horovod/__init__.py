@@ -65,7 +65,6 @@ from .context import (
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_initialized,
     local_rank,
     local_size,
@@ -82,7 +81,7 @@ from .exceptions import HorovodInternalError
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
 from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .process_sets import ProcessSet, add_process_set, global_process_set, init, remove_process_set
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline

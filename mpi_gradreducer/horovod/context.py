@@ -117,7 +117,7 @@ def current(what: str = "this call") -> Context:
     return ctx
 
 
-def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = None) -> None:
+def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     """Initialize (collective over ``comm``; over ``MPI.COMM_WORLD`` when ``comm`` lists ranks).
 
     A second call while initialized does nothing, as in Horovod. Starts the
@@ -128,11 +128,6 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
             intracommunicator (duplicated), or a list of ranks of
             ``MPI.COMM_WORLD`` (every rank of ``MPI.COMM_WORLD`` calls
             ``init`` with the same list).
-        process_sets: None or ``"dynamic"`` (process sets are added later
-            with ``add_process_set``), or the process sets to add now: a list
-            of ``ProcessSet`` objects (or lists of ranks), the same on every
-            rank; those made from an mpi4py communicator give it on their
-            ranks and ``MPI.COMM_NULL`` elsewhere.
 
     Raises:
         TypeError: ``comm`` is none of the above.
@@ -162,10 +157,6 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
     own = base.Dup()
     engine.add_set(0, ranks, own)
     _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)})
-    if process_sets is not None and process_sets != "dynamic":
-        from .process_sets import add_initial  # the sets need the context: after it exists
-
-        add_initial(process_sets)
 
 
 def shutdown() -> None:

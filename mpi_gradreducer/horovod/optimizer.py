@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import numbers
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -42,7 +41,7 @@ from .process_sets import global_process_set
 from .sparse import from_rowsparse, to_rowsparse
 from .submit import set_of
 
-__all__ = ["DistributedOptimizer", "join_optimizers"]
+__all__ = ["DistributedOptimizer"]
 
 _WHAT = "DistributedOptimizer"
 #: Horovod's warning when step() follows synchronize() outside skip_synchronize().
@@ -290,40 +289,6 @@ def _sparse_hook(me: weakref.ReferenceType[DistributedOptimizer], i: int) -> Cal
             opt._on_sparse(i, p)
 
     return hook
-
-
-@contextlib.contextmanager
-def join_optimizers() -> Iterator[None]:
-    """Within this block, this rank takes part in the steps of every live ``hvd.DistributedOptimizer``.
-
-    ``hvd.join()`` runs in it: each optimizer's own ``join()`` (the wrapped
-    class's: it takes part in the other ranks' reductions with nothing, and
-    once every rank has joined copies the parameters and optimizer state of
-    the rank that took the most steps into every rank's) runs on a thread of
-    its own, while the engine serves the other collectives.
-    """
-    ctx = current("hvd.join")
-    live = [opt for ref in ctx.optimizers if (opt := ref()) is not None and opt.reducer.comm != MPI.COMM_NULL]
-    ctx.optimizers[:] = [weakref.ref(opt) for opt in live]
-    errors: list[BaseException] = []
-
-    def run(opt: DistributedOptimizer) -> None:
-        try:
-            opt.join()
-        except BaseException as exc:  # raised on the caller's thread below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(opt,), name="mpi_gradreducer-horovod-join", daemon=True)
-               for opt in live]
-    for t in threads:
-        t.start()
-    try:
-        yield
-    finally:
-        for t in threads:
-            t.join()
-    if errors:
-        raise errors[0]
 
 
 def _options(optimizer: Any, named_parameters: Any, compression: Any, op: Any, factor: Any,

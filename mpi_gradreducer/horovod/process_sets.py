@@ -17,9 +17,10 @@ from typing import Any
 
 from mpi4py import MPI
 
+from . import context
 from .context import SetInfo, current
 
-__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "add_initial"]
+__all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init"]
 
 
 class ProcessSet:
@@ -195,7 +196,31 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     return True
 
 
-def add_initial(process_sets: Any) -> None:
+def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = None) -> None:
+    """Horovod's ``hvd.init``: the context over ``comm`` (:func:`.context.init`), then the process sets given.
+
+    Args:
+        comm: None (every rank of ``MPI.COMM_WORLD``), an mpi4py
+            intracommunicator (duplicated), or a list of ranks of
+            ``MPI.COMM_WORLD`` (see :func:`.context.init`).
+        process_sets: None or ``"dynamic"`` (process sets are added later
+            with ``add_process_set``), or the process sets to add now: a list
+            of ``ProcessSet`` objects (or lists of ranks), the same on every
+            rank; those made from an mpi4py communicator give it on their
+            ranks and ``MPI.COMM_NULL`` elsewhere.
+
+    Raises:
+        TypeError, ValueError: as :func:`.context.init`; and for process sets
+            that cannot be added (on every rank).
+    """
+    if context.is_initialized():
+        return
+    context.init(comm)
+    if process_sets is not None and process_sets != "dynamic":
+        _add_initial(process_sets)
+
+
+def _add_initial(process_sets: Any) -> None:
     """``init(process_sets=...)``: add each (collective; communicators give their ranks to every rank)."""
     ctx = current("hvd.init")
     for ps in process_sets:
