@@ -1,6 +1,6 @@
 """torch in three lines: a ``DistributedOptimizer`` that reduces gradients while backward runs.
 
-Importing this package imports torch; only it and :mod:`mpi_gradreducer.horovod` do::
+Importing this package imports torch; only it and ``mpi_gradreducer.horovod`` do::
 
     from mpi_gradreducer.torch import DistributedOptimizer, broadcast_parameters, broadcast_optimizer_state
 
@@ -32,10 +32,10 @@ and which rank misused what. A healthy step sends nothing more than the
 gradients, and a rank in :meth:`DistributedOptimizer.join` takes part in it as
 in any reduction (its flags are zeros).
 
-The parts: :mod:`.optimizer` (``DistributedOptimizer``), :mod:`.functions`
+The parts: ``optimizer`` (``DistributedOptimizer``), ``functions``
 (``broadcast_parameters``, ``broadcast_optimizer_state``, ``init_gloo``,
-``clip_grad_norm_``) and :mod:`.tensors` (tensors compared across ranks, and
-viewed as bytes).
+``clip_grad_norm_``), ``state`` (an optimizer's state sent from one rank)
+and ``tensors`` (tensors compared across ranks, and viewed as bytes).
 """
 
 from .functions import broadcast_optimizer_state, broadcast_parameters, clip_grad_norm_, init_gloo
