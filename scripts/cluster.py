@@ -311,7 +311,7 @@ class Cluster:
             out[host] = (int(text[0]), int(text[1]))
         return out
 
-    def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher) -> list[str]:
+    def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher, ft: bool = False) -> list[str]:
         """The ``mpiexec`` command line that runs ``command`` with ``ppn`` ranks on each host."""
         hosts = self.hosts()
         if not hosts:
@@ -332,11 +332,13 @@ class Cluster:
         network = Network(str(net), NIC, str(net.network_address + BRIDGE_HOST), self.bridge)
         return launcher.command(list(command), ranks=ranks, hosts=[self.address(h) for h in hosts], ppn=ppn,
                                 env=env, oversubscribe=ranks > cores, pin=False, network=network,
-                                agent=str(Path(__file__).resolve()), host_timeout=HOST_TIMEOUT)
+                                agent=str(Path(__file__).resolve()), host_timeout=HOST_TIMEOUT,
+                                fault_tolerance=ft)
 
-    def run(self, ppn: int, command: Sequence[str], launcher: Launcher, timeout: float | None) -> int:
-        """Run ``command`` under ``mpiexec`` across the hosts; leave no process behind on any host."""
-        cmd = self.mpiexec(ppn, command, launcher)
+    def run(self, ppn: int, command: Sequence[str], launcher: Launcher, timeout: float | None,
+            ft: bool = False) -> int:
+        """Run ``command`` under ``mpiexec`` across the hosts (with ULFM if ``ft``); leave no process behind."""
+        cmd = self.mpiexec(ppn, command, launcher, ft)
         proc = subprocess.Popen(cmd, env=launcher.environment(), start_new_session=True)
         status = None
         try:
@@ -442,6 +444,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     run.add_argument("--rate", default="none", help="with --hosts: each NIC's send rate")
     run.add_argument("--ppn", type=int, default=1, help="ranks per host")
     run.add_argument("--timeout", type=float, help="kill the job after this many seconds (exit status 124)")
+    run.add_argument("--ft", action="store_true", help="fault tolerance (ULFM: Open MPI 5's --with-ft ulfm): the "
+                     "job survives lost ranks where it is written to")
     run.add_argument("--mpiexec", help="the mpiexec to use: MPICH's, Open MPI's or Intel MPI's "
                      "(default: beside this Python, else on PATH)")
     run.add_argument("command", nargs=argparse.REMAINDER)
@@ -537,13 +541,13 @@ def main(argv: Sequence[str]) -> int:
         return subprocess.call(["ip", "netns", "exec", cluster.ns(cluster.host_number(args.host)), *args.command])
     launcher = find_launcher(args.mpiexec)
     if args.hosts is None:
-        return cluster.run(args.ppn, args.command, launcher, args.timeout)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft)
     rate = parse_rate(args.rate)
     if not args.command:
         raise ClusterError("run: no command given (cluster.py run --hosts 2 --ppn 2 -- python job.py)", 2)
     cluster.up(args.hosts, rate)
     try:
-        return cluster.run(args.ppn, args.command, launcher, args.timeout)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft)
     finally:
         cluster.down(quiet=True)
 

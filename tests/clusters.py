@@ -139,11 +139,11 @@ class HostCluster:
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return cli(self.name, *args, tag=self.tag, timeout=timeout)
 
-    def start(self, *command: str, ppn: int = 2) -> None:
-        """Launch ``command`` with ``ppn`` ranks per host (``cluster.py run --timeout LIMIT``)."""
+    def start(self, *command: str, ppn: int = 2, ft: bool = False) -> None:
+        """Launch ``command`` with ``ppn`` ranks per host (``cluster.py run --timeout LIMIT``; ``--ft`` if ``ft``)."""
         self.timed = []
         self.proc = subprocess.Popen([sys.executable, str(CLUSTER), "--name", self.name, "run", "--ppn", str(ppn),
-                                      "--timeout", str(LIMIT), "--", *command],
+                                      "--timeout", str(LIMIT), *(["--ft"] if ft else []), "--", *command],
                                      cwd=ROOT, env=job_env(self.tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from clusters import ROOT, HostCluster
+from conftest import cluster_unavailable
 from elastic_ompi import OmpiJob, kill, wait_for, why_not_here
 
 pytestmark = pytest.mark.slow
@@ -52,8 +54,14 @@ def check(out: Path, job: OmpiJob, steps: int, size: int, lost: list[int], limit
         _launcher_only(out, size)
         raise
     assert rc == 0, f"exit status {rc}:\n{job.output[-6000:]}"
+    return check_finals(out, steps, size, lost, job.output)
+
+
+def check_finals(out: Path, steps: int, size: int, lost: list[int], output: str) -> dict[int, list[str]]:
+    """The checks on what the finishing processes wrote: the same parameters, every committed step kept, the lost
+    ranks named; returns each finishing process's log lines."""
     finals = sorted(out.glob("final.*.npy"))
-    assert len(finals) == size, f"{len(finals)} processes finished, expected {size}:\n{job.output[-4000:]}"
+    assert len(finals) == size, f"{len(finals)} processes finished, expected {size}:\n{output[-4000:]}"
     first = np.load(finals[0])
     for f in finals[1:]:
         assert np.array_equal(np.load(f).view(np.uint32), first.view(np.uint32)), f"{f.name} differs from {finals[0]}"
@@ -284,3 +292,29 @@ def test_mpich_says_once_that_a_loss_ends_the_job(tmp_path: Path) -> None:
     assert done.stderr.count("a lost rank will end this job") == 1, done.stderr
     assert "--with-ft ulfm" in done.stderr
     assert len(list(out.glob("final.*.npy"))) == 2
+
+
+CLUSTER_REASON = REASON or cluster_unavailable()
+
+
+@pytest.mark.hosts
+@pytest.mark.skipif(CLUSTER_REASON is not None, reason=str(CLUSTER_REASON))
+def test_every_rank_of_one_host_killed_on_a_cluster(tmp_path: Path) -> None:
+    """2 hosts x 2 ranks of network namespaces (MPI over TCP between them): both ranks of host 2 are SIGKILLed
+    mid-training (its launcher daemon lives on); the two ranks of host 1 go on and finish."""
+    out = tmp_path / "out"
+    out.mkdir()
+    cluster = HostCluster(2)
+    try:
+        cluster.start(sys.executable, str(ROOT / JOB), "--out", str(out), "--steps", "60", ft=True)
+        victims = [pid_of(out, r) for r in (2, 3)]
+        assert set(victims) <= set(cluster.on_host(2)), (victims, cluster.on_host(2))
+        wait_for(lambda: committed(out, 10), 120, "step 10's commit")
+        for pid in victims:
+            kill(pid)
+        status = cluster.finish()
+        assert status == 0, f"exit status {status}\n{cluster.report()[-6000:]}"
+        check_finals(out, 60, 2, [2, 3], cluster.report())
+    finally:
+        problems = cluster.close()
+        assert not problems, problems
