@@ -207,6 +207,16 @@ def torch():
     return th
 
 
+@pytest.fixture(scope="module")
+def hvd(torch):
+    """``mpi_gradreducer.horovod``, initialized (shut down after the module's tests)."""
+    import mpi_gradreducer.horovod as module
+
+    module.init()
+    yield module
+    module.shutdown()
+
+
 #: Hard limit on one job that :func:`run_job` starts, unless the test gives its own.
 JOB_LIMIT = 60.0
 #: The environment variable that marks every process of a job that :func:`run_job` starts (its value

@@ -32,16 +32,6 @@ SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 LAST = SIZE - 1
 
 
-@pytest.fixture(scope="module")
-def hvd(torch):
-    """The module under test, initialized (shut down after the module's tests)."""
-    import mpi_gradreducer.horovod as module
-
-    module.init()
-    yield module
-    module.shutdown()
-
-
 def data(r: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Rank ``r``'s random float64 data (every rank can make every rank's)."""
     return np.random.default_rng([seed, r]).standard_normal(shape)

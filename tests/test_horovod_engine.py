@@ -22,16 +22,6 @@ TAG = 4242
 DEADLINE = 60.0
 
 
-@pytest.fixture(scope="module")
-def hvd(torch):
-    """The module under test, initialized (shut down after the module's tests)."""
-    import mpi_gradreducer.horovod as module
-
-    module.init()
-    yield module
-    module.shutdown()
-
-
 def _tell(dest: int, value: object = True) -> None:
     WORLD.send(value, dest=dest, tag=TAG)
 

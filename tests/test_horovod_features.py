@@ -23,15 +23,6 @@ SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 LAST = SIZE - 1
 
 
-@pytest.fixture(scope="module")
-def hvd(torch):
-    import mpi_gradreducer.horovod as module
-
-    module.init()
-    yield module
-    module.shutdown()
-
-
 def data(r: int, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, r]).standard_normal(shape)
 
