@@ -12,7 +12,7 @@ fi
 # the job's TCP on the loopback only; its command line from the package's launcher (scripts/mpirun.py)
 export OMP_NUM_THREADS=1 OMPI_MCA_btl_tcp_if_include=lo
 launch=("$venv/bin/python" scripts/mpirun.py --ft --oversubscribe -n 4 -- "$venv/bin/python"
-        scripts/elastic_digits.py --epochs 4 --batch-size 32)
+        scripts/elastic_digits.py --epochs 12 --batch-size 32)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 echo "== 4 ranks, nothing lost"
@@ -25,7 +25,6 @@ for _ in $(seq 3000); do  # at most 10 minutes, and only while the job runs
   kill -0 "$job" 2>/dev/null || { echo "the job ended before epoch 1"; exit 1; }
   sleep 0.2
 done
-sleep 0.5
 echo "(killing rank 2, process $(cat "$out/pid.2"))"
 kill -9 "$(cat "$out/pid.2")"
 wait "$job"
