@@ -11,9 +11,11 @@ Example::
 """
 
 import os as _os
+import sys as _sys
 
-if _os.environ.get("OMPI_MCA_mpi_ft_enable", "").strip() in ("1", "true") and \
-        "mpi4py.MPI" not in __import__("sys").modules:
+from ._core.faults import ft_requested as _ft_requested
+
+if _ft_requested() and "mpi4py.MPI" not in _sys.modules:
     # Open MPI with ULFM (elastic mode): MPI_Finalize's closing fence was seen to hang for good after a rank was
     # lost (3 survivors of 4, every communicator freed); without the fence every process exits at once.
     _os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
-from ._core import options
+from ._core import faults, options
 from ._core.topology import Topology
 from .launch import Launcher
 
@@ -143,8 +142,8 @@ def _ulfm(vendor: str) -> dict[str, Any]:
     """Whether the library has ULFM (mpi4py then knows ``MPI_ERR_PROC_FAILED``), and whether this job enabled it."""
     built_in = MPI.ERR_PROC_FAILED != MPI.ERR_UNKNOWN
     enabled = None
-    if built_in:  # Open MPI: mpiexec --with-ft ulfm sets its mpi_ft_enable for the ranks
-        enabled = vendor == "Open MPI" and os.environ.get("OMPI_MCA_mpi_ft_enable", "").lower() in ("1", "true")
+    if built_in:
+        enabled = vendor == "Open MPI" and faults.ft_requested()
     return {"ulfm": built_in, "ulfm_enabled": enabled}
 
 

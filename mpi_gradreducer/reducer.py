@@ -16,7 +16,7 @@ from ._core.hooks import bucket_hook
 from ._core.instrument import Instrument, ReducerStats
 from ._core.lowrank import LowRankPath
 from ._core.options import Options, agree as resolve_options, decide_progress
-from ._core.planning import DEFAULT_BUCKET_BYTES, DIRECT_BYTES
+from ._core.planning import DEFAULT_BUCKET_BYTES, DIRECT_BYTES, ParamSpec
 from ._core.polling import Polling
 from ._core.replay import Replay
 from ._core.steps import Overlap, ReductionStep
@@ -87,9 +87,16 @@ class DistributedGradReducer:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
-        self._comm = comm.Dup()
+        self._setup(comm, parameters, asked)
+
+    # -- construction steps -----------------------------------------------------------
+
+    def _setup(self, group: MPI.Intracomm, parameters: Iterable[Any], asked: Options,
+               specs: Sequence[ParamSpec] | None = None) -> None:
+        """Everything the reducer holds, over a duplicate of ``group`` (collective; ``specs``: known already)."""
+        self._comm = group.Dup()
         try:
-            self._specs, self.options = resolve_options(self._comm, parameters, asked)
+            self._specs, self.options = resolve_options(self._comm, parameters, asked, specs)
             self._topology = Topology.of(self._comm)
             self.progress = decide_progress(self._comm, self._topology, self.options.progress)
         except BaseException:
@@ -127,8 +134,6 @@ class DistributedGradReducer:
         self._active: ReductionStep | None = None
         self._sharder: shard.Sharder | None = None
         self._overlap = Overlap(self._comm, self._polling)
-
-    # -- construction steps -----------------------------------------------------------
 
     def _build_plan(self, bucket_bytes: int) -> None:
         """The buckets for ``bucket_bytes``, their buffers and the path of each."""
@@ -285,14 +290,29 @@ class DistributedGradReducer:
             self._summers.free()
             self._comm.Free()
 
-    def _abandon(self) -> None:
-        """Release everything with no collective and no timeline: some of the ranks are gone (elastic mode).
+    def communicators(self) -> list[MPI.Intracomm]:
+        """Every communicator this reducer made and holds (local).
 
-        For :mod:`mpi_gradreducer.elastic`, after it has revoked the
-        reducer's communicators: the communication thread ends at once (its
-        operations fail), the watchdog stops, and the communicators are freed
-        locally (Open MPI with ULFM frees a revoked communicator without its
-        peers).
+        Its duplicate of ``group`` (:attr:`comm`) first, then those of its
+        parts: the hosts' and the cross-host levels, the control channel of
+        ``begin()``/``wait()``, the watchdog's side channel. What a lost
+        rank's recovery revokes (:mod:`mpi_gradreducer.elastic`). Empty once
+        freed.
+        """
+        if self._comm == MPI.COMM_NULL:
+            return []
+        return [self._comm, self._local, *self._summers.communicators(), *self._overlap.communicators(),
+                *self._instrument.communicators()]
+
+    def abandon(self) -> None:
+        """Release everything with no collective and no timeline: some of the ranks are gone (local).
+
+        For recovery from a lost rank (:mod:`mpi_gradreducer.elastic`),
+        after the reducer's :meth:`communicators` were revoked: the
+        communication thread ends at once (its operations fail), the watchdog
+        stops, and the communicators are freed locally (Open MPI with ULFM
+        frees a revoked communicator without its peers). The reducer is
+        then unusable until :meth:`rebuild`. Idempotent.
         """
         self._overlap.close()
         self._instrument.close(write=False)
@@ -304,6 +324,27 @@ class DistributedGradReducer:
                     release()
                 except MPI.Exception:
                     pass
+
+    def rebuild(self, group: MPI.Intracomm) -> None:
+        """Make this reducer again over ``group``, for the same parameters and options (collective over ``group``).
+
+        The reducer is first abandoned (:meth:`abandon`, local), then made
+        as ``DistributedGradReducer(params, group=group, options=reducer.options)``
+        would make it, in place: references to it stay valid. A ``degree``
+        that was not given stays unset, so the new reducer divides by its
+        own number of ranks. Views from :meth:`allocate_grads` belong to the
+        old buffers: allocate them again.
+
+        Args:
+            group: the new ranks, e.g. the survivors of a lost rank.
+
+        Raises:
+            TypeError: ``group`` is not an intracommunicator.
+        """
+        if not isinstance(group, MPI.Intracomm) or group == MPI.COMM_NULL:
+            raise TypeError(f"group: expected an mpi4py intracommunicator, got {group!r}")
+        self.abandon()
+        self._setup(group, (), self.options, self._specs)
 
     def __enter__(self) -> DistributedGradReducer:
         return self

@@ -110,6 +110,10 @@ class Instrument:
         if self._timeline is not None:
             self._timeline.record(name, start, end, **args)
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The watchdog's side channel, while it runs."""
+        return [] if self.watchdog is None else self.watchdog.communicators()
+
     def close(self, write: bool = True) -> None:
         """Write the timeline (collective; ``write=False`` drops it) and stop the watchdog (local)."""
         if self._timeline is not None:

@@ -344,26 +344,32 @@ def _env(value: Any) -> bool:
     return isinstance(value, str) and value == "env"
 
 
-def agree(comm: MPI.Intracomm, parameters: Iterable[Any],
-          options: Options) -> tuple[tuple[ParamSpec, ...], Options]:
+def agree(comm: MPI.Intracomm, parameters: Iterable[Any], options: Options,
+          specs: Sequence[ParamSpec] | None = None) -> tuple[tuple[ParamSpec, ...], Options]:
     """The parameters' specs and the options, resolved locally, then agreed by every rank (collective).
+
+    Args:
+        comm: the ranks that agree.
+        parameters: the arrays whose specs are taken (not read when ``specs`` is given).
+        options: the options asked for.
+        specs: the parameters' specs, where known already (a reducer made again).
 
     Raises:
         ValueError, TypeError: on every rank, when any rank's arguments are bad or differ from rank 0's.
     """
     error: Exception | None = None
-    specs: tuple[ParamSpec, ...] = ()
     resolved: Options | None = None
+    known: tuple[ParamSpec, ...] = ()
     try:
-        specs = param_specs(parameters)
-        resolved = resolve(options, specs, comm.Get_size())
+        known = param_specs(parameters) if specs is None else tuple(specs)
+        resolved = resolve(options, known, comm.Get_size())
     except (ValueError, TypeError) as exc:
         error = exc
     agreement.raise_if_any(comm, error)
     assert resolved is not None  # else some rank's error was raised on every rank
-    rows, names = signature(resolved, specs)
+    rows, names = signature(resolved, known)
     agreement.check_same(comm, rows, lambda i, row: _describe(names[i], row), names.__getitem__)
-    return specs, resolved
+    return known, resolved
 
 
 def stall_warning_default() -> float | None:

@@ -128,6 +128,10 @@ class StallInspector:
         """The replies to the latest :meth:`ask`, by rank."""
         return dict(self._replies)
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The side channel, while open (what a lost rank's recovery revokes)."""
+        return [] if self._comm is None else [self._comm]
+
     def close(self) -> None:
         """Release the side channel; local (no collective) and idempotent.
 

@@ -223,6 +223,10 @@ class Overlap:
         if self._polling is not None:
             self._polling.computing(busy)
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The control communicator, until closed."""
+        return [] if self._control == MPI.COMM_NULL else [self._control]
+
     def close(self) -> None:
         """Stop the thread and free the control communicator (collective). Idempotent."""
         self._training(busy=False)

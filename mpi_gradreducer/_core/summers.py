@@ -411,6 +411,10 @@ class Summers:
             self._made[key] = made
         return made
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The communicators of the two levels, where made (the caller's ``comm`` is not the summers')."""
+        return [c for c in (self.node, self.across) if c is not None]
+
     def free(self) -> None:
         """Release the communicators of the two levels (collective). Idempotent."""
         for comm in (self.node, self.across):

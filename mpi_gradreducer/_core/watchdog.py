@@ -93,6 +93,10 @@ class Watchdog:
         """Stop timing: the collective finished."""
         self._guard.armed = None
 
+    def communicators(self) -> list[MPI.Intracomm]:
+        """The side channel, while open."""
+        return self._guard.inspector.communicators()
+
     def close(self) -> None:
         """Stop the thread and release the side channel; local and idempotent."""
         self._finalizer()

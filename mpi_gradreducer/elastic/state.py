@@ -130,8 +130,8 @@ class ArrayState(State):
         arrays: numpy or cupy arrays, as a sequence or a mapping of names.
         reducers: objects rebuilt on the new communicator after a change of
             ranks: :class:`~mpi_gradreducer.DistributedGradReducer`, the torch
-            ``DistributedOptimizer``, or any object with ``rebuild(comm)``
-            and ``communicators()``.
+            ``DistributedOptimizer``, or any object with ``communicators()``,
+            ``abandon()`` and ``rebuild(comm)``.
         comm: the ranks; default ``MPI.COMM_WORLD`` (a replacement's own
             world until it joins).
         **values: the plain values, as attributes.

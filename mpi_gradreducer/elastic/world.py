@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .._core import faults
 from . import _ulfm
 from .discovery import Discovery, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
-from .rebuild import Rebuildable, adapter_for
+from .rebuild import Rebuildable, rebuildable
 
 __all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "Settings", "World"]
 
@@ -113,7 +114,7 @@ class World:
 
     def track(self, obj: Any) -> None:
         """Rebuild ``obj`` on every new communicator, after the objects tracked before it."""
-        self._tracked.append(adapter_for(obj))
+        self._tracked.append(rebuildable(obj))
 
     def communicators(self) -> Iterator[MPI.Comm]:
         """Every communicator that a failure must revoke: this world's and every tracked object's."""
@@ -167,7 +168,7 @@ class World:
         """
         t0 = time.perf_counter()
         self._guard_exit()
-        failure = _ulfm.failure_of(error)
+        failure = faults.failure_of(error)
         where = failure.Get_error_string() if failure is not None else f"{type(error).__name__}: {error}"
         _ulfm.revoke(self.communicators())
         self._drop_background()
@@ -355,9 +356,7 @@ def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
     if MPI.Is_finalized():
         return
     for t in tracked:
-        release = getattr(t, "release", None)
-        if release is not None:
-            release()
+        t.abandon()  # threads stopped: no MPI call may follow the finalize
     library = _libmpi()
     if library is None:
         return

@@ -63,7 +63,7 @@ class _Context:
         context.shutdown()  # frees the old communicators, locally after a revoke
         context.init(comm)
 
-    def release(self) -> None:
+    def abandon(self) -> None:
         """At exit, before MPI is finalized: stop the engine's thread (no MPI call may follow the finalize)."""
         ctx = context._Session.context
         if ctx is not None:

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 
 from mpi4py import MPI
 
+from .._core.faults import failure_of
 from ..elastic import HostsUpdated
-from ..elastic._ulfm import failure_of
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "internal_errors", "internal_error_of"]
 

@@ -14,24 +14,15 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._core import agreement, groups, planning
+from .._core import agreement, groups
 from .._core.options import Options
 from .._core.steps import ReductionStep
 from ..reducer import DistributedGradReducer
+from .flags import CHANGED, MISUSES, NO_BACKWARD, NOT_DENSE, WRITTEN, ZERO_GRAD, Flags, with_flags, without_flags
 from .state import send_state
 from .tensors import bytes_of, check_same_tensors
 
 __all__ = ["MISUSES", "DistributedOptimizer"]
-
-#: The kinds of misuse a rank reports in the flags, by slot (one slot per kind and rank).
-MISUSES = (
-    "step() or synchronize() was called without a backward pass since the last step()",
-    "a gradient was written after its hook fired (it had been handed to the reduction)",
-    "the optimizer's parameters changed after DistributedOptimizer was made",
-    "a gradient is not a dense (strided) tensor",
-    "zero_grad() was called after backward() and before step() or synchronize()",
-)
-_NO_BACKWARD, _WRITTEN, _CHANGED, _NOT_DENSE, _ZERO_GRAD = range(len(MISUSES))
 
 
 class DistributedOptimizer:
@@ -83,16 +74,23 @@ class DistributedOptimizer:
                 raise ValueError(f"backward_passes_per_step: expected an int >= 1, got {backward_passes_per_step!r}")
             if not self._params:
                 raise ValueError("optimizer: expected parameters that require grad, got none")
-            flagged = _with_flags(len(self._params), asked)
+            flagged = with_flags(len(self._params), asked)
         except (TypeError, ValueError) as exc:
             error = exc
         agreement.raise_if_any(comm, error)
         check_same_tensors(comm, self._params, self._names)
         self.passes = backward_passes_per_step
+        self._steps = 0
+        self._no_sync = self._skip_sync = False
+        self._attach(comm, flagged)
+
+    def _attach(self, comm: MPI.Intracomm, flagged: Options) -> None:
+        """The reducer over ``comm`` with the flags' options ``flagged``, its gradient views and the hooks
+        (collective)."""
         size, rank = comm.Get_size(), comm.Get_rank()
+        self._layout = Flags(len(self._params), size, rank, self._side_flags())
         first = self._params[0]
-        flags = torch.zeros(len(self._params) + len(MISUSES) * size + self._side_flags(), dtype=first.dtype,
-                            device=first.device)
+        flags = torch.zeros(self._layout.length, dtype=first.dtype, device=first.device)
         #: The underlying DistributedGradReducer; its first gradient is the flags, then one per parameter.
         self.reducer = DistributedGradReducer([flags, *(p.detach() for p in self._params)], group=comm,
                                               options=flagged)
@@ -106,8 +104,6 @@ class DistributedOptimizer:
         self._flags = _as_tensor(views[0], flags)
         self._grads = [_as_tensor(v, p) for v, p in zip(views[1:], self._params, strict=True)]
         self._control = self.reducer.comm.Dup()  # the wrapper's own messages (join, misuse, state), apart from the data
-        self._steps = 0
-        self._no_sync = self._skip_sync = False
         self._step: ReductionStep | None = None  # the reduction in flight (progress="thread")
         self._fired: list[int] = []  # per parameter: hook calls that count towards backward_passes_per_step
         self._ready: list[bool] = []  # per parameter: handed to the reduction in this step
@@ -191,30 +187,30 @@ class DistributedOptimizer:
         if self._synchronized:
             return
         if _param_count(self.optimizer) != self._count:
-            self._fail(_CHANGED, f"the optimizer has {_param_count(self.optimizer)} parameters, but "
+            self._fail(CHANGED, f"the optimizer has {_param_count(self.optimizer)} parameters, but "
                                  f"DistributedOptimizer was made with {self._count}; add every param group before "
                                  "wrapping it")
         if not self._fired_any:
-            self._fail(_NO_BACKWARD, "step() or synchronize() was called without a backward pass since the last "
+            self._fail(NO_BACKWARD, "step() or synchronize() was called without a backward pass since the last "
                                      "step() (no gradient hook fired on this rank)")
         step = self._begin() if self._overlap else None
-        local = np.zeros(self._flags.numel(), dtype=np.float32)
+        used = [False] * len(self._params)
         for i, (p, v) in enumerate(zip(self._params, self._grads, strict=True)):
             g = p.grad
             if self._ready[i]:
-                local[i] = 1.0
+                used[i] = True
                 if g is not v or v._version != self._versions[i]:
-                    self._fail(_WRITTEN, f"{self._names[i]}: its gradient was written after its hook fired "
+                    self._fail(WRITTEN, f"{self._names[i]}: its gradient was written after its hook fired "
                                          "(after it was handed to the reduction); write gradients only in backward, "
                                          f"at most backward_passes_per_step={self.passes} times per step()")
                 continue
             if g is None:
                 v.zero_()
             else:
-                local[i] = 1.0
+                used[i] = True
                 if g is not v:
                     if not _dense(g):
-                        self._fail(_NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense "
+                        self._fail(NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense "
                                                "gradients are reduced")
                         v.zero_()
                     else:
@@ -222,10 +218,8 @@ class DistributedOptimizer:
                     p.grad = v
             if step is not None:
                 step.ready(i + 1)
-        for kind, _ in self._failures:
-            local[len(self._params) + kind * self._size + self._rank] = 1.0
-        side = len(self._params) + len(MISUSES) * self._size
-        self._side_values(local[side:])
+        local = self._layout.encode(used, (kind for kind, _ in self._failures))
+        self._side_values(self._layout.side(local))
         self._flags.copy_(torch.from_numpy(local))
         try:
             if step is not None:
@@ -236,17 +230,16 @@ class DistributedOptimizer:
         finally:
             self._step = None
         flags = self._flags.detach().cpu().to(torch.float32).numpy()
-        n = len(self._params)
-        for i, p in enumerate(self._params):
-            if p.grad is None and flags[i] != 0 and not self._skip[i]:
+        for i, (p, some) in enumerate(zip(self._params, self._layout.used(flags), strict=True)):
+            if p.grad is None and some and not self._skip[i]:
                 p.grad = self._grads[i]  # used on another rank: the average is here
-        self._side_reduced(flags[side:])
+        self._side_reduced(self._layout.side(flags))
         self._synchronized = True
-        misuse = flags[n:side].reshape(len(MISUSES), self._size)
-        if misuse.any():
+        misuse = self._layout.misuse(flags)
+        if misuse is not None:
             failures = self._failures
             self._reset()
-            self._raise_misuse(misuse, failures)
+            self._raise_misuse(*misuse, failures)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Wait for the reduction (unless in ``skip_synchronize()``), then step the wrapped optimizer.
@@ -331,12 +324,46 @@ class DistributedOptimizer:
 
     def free(self) -> None:
         """Remove the hooks and free the reducer (collective). Idempotent."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        self._unhook()
         if self._control != MPI.COMM_NULL:
             self._control.Free()
         self.reducer.free()
+
+    def communicators(self) -> list[MPI.Intracomm]:
+        """Every communicator the wrapper holds: its control channel, then its reducer's (local).
+
+        What a lost rank's recovery revokes (:mod:`mpi_gradreducer.elastic`).
+        """
+        control = [] if self._control == MPI.COMM_NULL else [self._control]
+        return control + self.reducer.communicators()
+
+    def abandon(self) -> None:
+        """Release the hooks, the control channel and the reducer with no collective: ranks are gone (local).
+
+        See :meth:`mpi_gradreducer.DistributedGradReducer.abandon`. The
+        wrapper is unusable until :meth:`rebuild`. Idempotent.
+        """
+        self._unhook()
+        if self._control != MPI.COMM_NULL:
+            try:
+                self._control.Free()
+            except MPI.Exception:
+                pass
+        self.reducer.abandon()
+
+    def rebuild(self, group: MPI.Intracomm) -> None:
+        """Make the wrapper's reducer again over ``group`` (collective over ``group``).
+
+        The wrapped torch optimizer, its state and the model are kept; the
+        reducer is made again with the options it had, and the gradient
+        hooks are registered over its new buffers. A reduction in flight is
+        dropped (the step starts afresh).
+
+        Args:
+            group: the new ranks, e.g. the survivors of a lost rank.
+        """
+        self.abandon()
+        self._attach(group, with_flags(len(self._params), without_flags(self.reducer.options)))
 
     def __enter__(self) -> DistributedOptimizer:
         return self
@@ -355,6 +382,11 @@ class DistributedOptimizer:
         return self._synchronized
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _unhook(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def _reset(self) -> None:
         self._step = None
@@ -378,7 +410,7 @@ class DistributedOptimizer:
         """The post-accumulate-grad hook of parameter ``i``."""
         self._fired_any = True
         if self._synchronized:
-            self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed after synchronize() and before "
+            self._fail(WRITTEN, f"{self._names[i]}: its gradient was computed after synchronize() and before "
                                  "step(); call backward before synchronize()")
             return
         g, v = p.grad, self._grads[i]
@@ -386,7 +418,7 @@ class DistributedOptimizer:
             return
         if g is not v:
             if not _dense(g):
-                self._fail(_NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense gradients "
+                self._fail(NOT_DENSE, f"{self._names[i]}: its gradient is {g.layout}; only dense gradients "
                                        "are reduced")
                 return
             v.copy_(g)
@@ -402,7 +434,7 @@ class DistributedOptimizer:
                     torch.cuda.current_stream(v.device).synchronize()  # the reducer syncs the default stream only
                 self._begin().ready(i + 1)
         elif self._fired[i] > self.passes:
-            self._fail(_WRITTEN, f"{self._names[i]}: its gradient was computed more than "
+            self._fail(WRITTEN, f"{self._names[i]}: its gradient was computed more than "
                                  f"backward_passes_per_step={self.passes} times before step(), the last time "
                                  "after its hook had handed it to the reduction")
 
@@ -433,12 +465,11 @@ class DistributedOptimizer:
         others from their ``step()`` or ``synchronize()``; the optimizer is
         usable again afterwards.
         """
-        self._fail(_ZERO_GRAD, message)
+        self._fail(ZERO_GRAD, message)
         self.synchronize()
 
-    def _raise_misuse(self, misuse: np.ndarray, failures: Sequence[tuple[int, str]]) -> None:
-        """Raise the same RuntimeError on every rank, naming the first misuse and its rank."""
-        kind, rank = (int(k[0]) for k in np.nonzero(misuse))
+    def _raise_misuse(self, kind: int, rank: int, failures: Sequence[tuple[int, str]]) -> None:
+        """Raise the same RuntimeError on every rank, naming the misuse ``kind`` of ``rank``."""
         detail = next((m for k, m in failures if k == kind), None) if rank == self._rank else None
         if self.reducer.contributors == self._size:  # nobody in join(): the failing rank's words, everywhere
             error = RuntimeError(detail) if detail is not None else None
@@ -461,20 +492,6 @@ def _param_count(optimizer: torch.optim.Optimizer) -> int:
 
 def _dense(t: torch.Tensor) -> bool:
     return t.layout == torch.strided
-
-
-def _with_flags(count: int, options: Options) -> Options:
-    """The reducer's options for the flags followed by ``count`` parameters (local; raises on bad options).
-
-    The flags take the fusion id of the first parameter, so that they ride
-    in its bucket (the last one launched), and are never skipped.
-    """
-    ids = planning.fusion_ids(count, options.fusion_type, options.fusion, options.split_indices)
-    skip = None if options.skip is None else list(options.skip)
-    if skip is not None and len(skip) != count:
-        raise ValueError(f"skip: expected {count} bools (one per parameter that requires grad), got {len(skip)}")
-    return options.replace(fusion_type=1, fusion=(ids[0], *ids), split_indices=None,
-                           skip=None if skip is None else (False, *skip))
 
 
 def _as_tensor(view: Any, like: torch.Tensor) -> torch.Tensor:
