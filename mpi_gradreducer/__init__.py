@@ -20,7 +20,7 @@ if _ft_requested() and "mpi4py.MPI" not in _sys.modules:
     # lost (3 survivors of 4, every communicator freed); without the fence every process exits at once.
     _os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
 
-from ._core.groups import broadcast_parameters, create_group, local_rank, select_device
+from ._core.groups import broadcast_parameters, create_group, local_rank, local_size, select_device
 from ._core.hooks import GradBucket
 from ._core.options import Options
 from ._core.planning import Bucket
@@ -50,6 +50,7 @@ __all__ = [
     "broadcast_parameters",
     "create_group",
     "local_rank",
+    "local_size",
     "select_device",
     "__version__",
 ]

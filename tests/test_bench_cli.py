@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -69,17 +69,16 @@ def test_registry_names_importable_benchmarks():
     assert bench._command([]) == ("host", [])
 
 
-def test_the_old_gpu_entry_point_is_the_gpu_benchmark():
-    from mpi_gradreducer import bench_gpu
-
-    assert bench_gpu.main is gpu.main and bench_gpu.METHODS == gpu.METHODS
+def test_the_gpu_benchmark_has_one_entry_point():
+    assert importlib.util.find_spec("mpi_gradreducer.bench_gpu") is None  # the old shim is gone
+    assert bench.COMMANDS["gpu"][0] == "gpu" and callable(gpu.main)
     assert compression.MODES[0] == "none"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("module, args, status, marker", [
     ("mpi_gradreducer.bench", ["--help"], 0, "usage:"),
-    ("mpi_gradreducer.bench_gpu", ["--bogus"], 2, "error: unrecognized arguments: --bogus"),
+    ("mpi_gradreducer.bench", ["gpu", "--bogus"], 2, "error: unrecognized arguments: --bogus"),
 ])
 def test_module_under_mpiexec_prints_once(module, args, status, marker):
     job = run_job(module, *args, ranks=2, runner=False, module=True, limit=120)

@@ -93,7 +93,7 @@ def test_a_rebuilt_torch_optimizer_keeps_its_model_state_and_hooks():
     half = _half()
     opt.rebuild(half)
     assert all(c == MPI.COMM_NULL for c in old) and opt.comm.Get_size() == half.Get_size()
-    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum))
+    assert all(torch.equal(opt.state[p]["momentum_buffer"], m) for p, m in zip(model.parameters(), momentum, strict=True))
     opt.zero_grad()
     model(x).sum().backward()
     opt.synchronize()

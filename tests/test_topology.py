@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import WORLD
-from mpi_gradreducer import local_rank
+from mpi_gradreducer import local_rank, local_size
 from mpi_gradreducer._core.rendezvous import interface_addresses, tcp_rendezvous
 from mpi_gradreducer._core.topology import Topology, processor_names
 from mpi_gradreducer.info import collect
@@ -28,7 +28,12 @@ LAYOUT = (int(os.environ["CLUSTER_HOSTS"]), int(os.environ["CLUSTER_PPN"])) if "
 def test_local_rank_counts_the_ranks_with_this_processor_name():
     names = processor_names(WORLD)
     mine = [r for r, n in enumerate(names) if n == names[WORLD.Get_rank()]]
-    assert local_rank(WORLD) == (mine.index(WORLD.Get_rank()), len(mine))
+    rank = local_rank(WORLD)
+    assert isinstance(rank, int) and rank == mine.index(WORLD.Get_rank())
+    assert local_size(WORLD) == len(mine)
+    with pytest.warns(DeprecationWarning, match="local_rank\\(\\) returns an int"):
+        old_rank, old_size = rank  # the form before 0.8 still unpacks
+    assert (old_rank, old_size) == (mine.index(WORLD.Get_rank()), len(mine))
 
 
 @pytest.mark.skipif(LAYOUT is None, reason="not launched by scripts/cluster.py")
@@ -37,7 +42,7 @@ def test_the_cluster_layout_is_seen():
     if WORLD.Get_size() != hosts * ppn:
         pytest.skip("a communicator other than the whole launch")  # the same on every rank
     assert len(set(processor_names(WORLD))) == hosts
-    assert local_rank(WORLD) == (WORLD.Get_rank() % ppn, ppn)
+    assert (local_rank(WORLD), local_size(WORLD)) == (WORLD.Get_rank() % ppn, ppn)
     facts = collect(WORLD)
     assert sorted(facts["hosts"].values()) == [list(range(h * ppn, (h + 1) * ppn)) for h in range(hosts)]
 

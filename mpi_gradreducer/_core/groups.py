@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,7 @@ from . import agreement, backend
 from .dtypes import digest
 from .topology import Topology
 
-__all__ = ["create_group", "broadcast_parameters", "local_rank", "select_device"]
+__all__ = ["LocalRank", "create_group", "broadcast_parameters", "local_rank", "local_size", "select_device"]
 
 
 def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI.Intracomm | None:
@@ -106,14 +107,47 @@ def broadcast_parameters(arrays: Sequence[Any], root: int = 0, group: MPI.Intrac
     return arrays
 
 
-def local_rank(comm: MPI.Intracomm | None = None) -> tuple[int, int]:
+class LocalRank(int):
+    """The int that :func:`local_rank` returns; unpacking it as ``(rank, size)``, its form before 0.8, still works.
+
+    That unpacking warns (``DeprecationWarning``): use ``local_rank()`` and
+    :func:`local_size`.
+    """
+
+    size: int
+
+    def __new__(cls, rank: int, size: int) -> LocalRank:
+        made = super().__new__(cls, rank)
+        made.size = size
+        return made
+
+    def __iter__(self) -> Iterator[int]:
+        warnings.warn("local_rank() returns an int since 0.8: unpacking it as (rank, size) is deprecated; use "
+                      "local_rank() and local_size()", DeprecationWarning, stacklevel=2)
+        return iter((int(self), self.size))
+
+
+def local_rank(comm: MPI.Intracomm | None = None) -> int:
     """This rank's index among the ranks of ``comm`` on the same host (collective; hosts as ``Topology`` finds them).
 
+    Args:
+        comm: the ranks; default ``MPI.COMM_WORLD``.
+
     Returns:
-        ``(local_rank, ranks_on_this_host)``.
+        The local rank, from 0 (an int; ``rank, size = local_rank()``, the
+        form before 0.8, still unpacks, with a ``DeprecationWarning``).
     """
     topology = Topology.of(MPI.COMM_WORLD if comm is None else comm)
-    return topology.local_rank, topology.local_size
+    return LocalRank(topology.local_rank, topology.local_size)
+
+
+def local_size(comm: MPI.Intracomm | None = None) -> int:
+    """How many ranks of ``comm`` share this rank's host (collective).
+
+    Args:
+        comm: the ranks; default ``MPI.COMM_WORLD``.
+    """
+    return Topology.of(MPI.COMM_WORLD if comm is None else comm).local_size
 
 
 def select_device(comm: MPI.Intracomm | None = None) -> int:
@@ -128,7 +162,7 @@ def select_device(comm: MPI.Intracomm | None = None) -> int:
     Raises:
         RuntimeError: when cupy is not installed or sees no GPU.
     """
-    rank, _ = local_rank(comm)
+    rank = int(local_rank(comm))
     try:
         import cupy
 

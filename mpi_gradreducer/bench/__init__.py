@@ -3,7 +3,7 @@
 Run under MPI; only rank 0 prints::
 
     mpiexec -n 4 python -m mpi_gradreducer.bench [host] [OPTIONS]   # the host benchmark (the default)
-    mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients (or: -m mpi_gradreducer.bench_gpu)
+    mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients
     mpiexec -n 4 python -m mpi_gradreducer.bench compression [OPTIONS]
     mpiexec -n 4 python -m mpi_gradreducer.bench torch-optimizer [OPTIONS]
 

@@ -3,7 +3,6 @@
 Run it under MPI on a machine with cupy and a CUDA device; only rank 0 prints::
 
     mpiexec -n 4 python -m mpi_gradreducer.bench gpu --workload resnet50 --reps 5 --json out/bench_gpu.json
-    mpiexec -n 4 python -m mpi_gradreducer.bench_gpu ...     # the same
 
 Each rank first takes GPU ``local_rank % device_count`` (:func:`select_device`):
 with more ranks than GPUs, several ranks share one. The gradients are cupy
@@ -385,7 +384,7 @@ def _device_environment(comm: MPI.Intracomm, argv: Sequence[str], device: int) -
     name = props["name"]
     name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
     placement = comm.allgather((MPI.Get_processor_name(), device, name))
-    env = environment(comm, "mpi_gradreducer.bench_gpu", argv, prefixes=("CUPY_", "CUDA_VISIBLE_DEVICES"))
+    env = environment(comm, "mpi_gradreducer.bench gpu", argv, prefixes=("CUPY_", "CUDA_VISIBLE_DEVICES"))
     env.update({
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "cuda_driver": cupy.cuda.runtime.driverGetVersion(),
@@ -450,10 +449,9 @@ def format_workload(name: str, res: dict[str, Any], env: dict[str, Any]) -> str:
 
 def _parser(rank: int = 0) -> argparse.ArgumentParser:
     p = RankParser(
-        prog="python -m mpi_gradreducer.bench_gpu",
+        prog="python -m mpi_gradreducer.bench gpu",
         description="Time the staged GPU reducer against the pinned-copy bound, raw host MPI and a naive "
-                    "per-tensor loop, on cupy float32 gradients. Run under mpiexec; only rank 0 prints. "
-                    "The same as: python -m mpi_gradreducer.bench gpu.",
+                    "per-tensor loop, on cupy float32 gradients. Run under mpiexec; only rank 0 prints.",
         rank=rank,
     )
     p.add_argument("--workload", nargs="+", choices=WORKLOADS, default=["resnet50"],
@@ -509,4 +507,4 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
 
 
 if __name__ == "__main__":
-    run_as_script(main, "bench_gpu")
+    run_as_script(main, "bench gpu")
