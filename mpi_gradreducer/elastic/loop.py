@@ -79,7 +79,7 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
             if reset:
                 state.on_reset()
             result = fn(state, *args, **kwargs)
-            if not world.settle():
+            if not world.wind_down():
                 return result
             sync = True
         except HostsUpdated as exc:

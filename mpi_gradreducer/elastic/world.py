@@ -226,13 +226,13 @@ class World:
             return
         if self._spawner is not None:
             if spawned_before and verdict[1] == 0:  # every rank's spawn has returned
-                self._settle_spawn()
+                self._finish_spawn()
             return
         want = self._target(int(verdict[0])) - self.comm.Get_size()
         if want > 0 and self._failed_spawns < MAX_FAILED_SPAWNS:
             self._start_spawn(want)
 
-    def settle(self) -> bool:
+    def wind_down(self) -> bool:
         """When the training function returned: complete the last commit's reduction, stop looking (collective).
 
         A spawn still in flight is finished and its new ranks are taken in
@@ -303,7 +303,7 @@ class World:
         if places:
             self._spawner = _Spawner(self.comm, places)
 
-    def _settle_spawn(self) -> None:
+    def _finish_spawn(self) -> None:
         """Every rank's spawn has returned: raise the interrupt if all succeeded, else drop it (collective)."""
         assert self._spawner is not None
         ok = self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN)

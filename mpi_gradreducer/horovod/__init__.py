@@ -14,12 +14,12 @@ Run it with ``mpiexec -n 4 python -m mpi4py train.py``. Every name of
 ``NotImplementedError`` naming what to use instead. ``docs/horovod.rst``
 lists the differences. Importing this module imports torch.
 
-The parts: :mod:`.context` (``init`` and topology, in one context object),
+The parts: :mod:`.session` (``init`` and topology, in one context object),
 :mod:`.negotiation` (how the ranks agree on an operation, pure),
 :mod:`.engine` (the thread every operation goes through),
 :mod:`.execute` (how each kind moves its data), :mod:`.submit` (a call
 becomes an operation), :mod:`.collectives` (the collectives on tensors),
-:mod:`.agreement` (``join``, ``barrier``: operations without data),
+:mod:`.control` (``join``, ``barrier``: operations without data),
 :mod:`.autograd`, :mod:`.ops` (reduction operations, compression),
 :mod:`.optimizer` (``DistributedOptimizer``), :mod:`.functions`
 (parameters, optimizer state, objects), :mod:`.process_sets`,
@@ -30,7 +30,6 @@ training that survives lost ranks, under Open MPI's ULFM) and
 """
 
 from . import elastic
-from .agreement import barrier, join
 from .collectives import (
     allgather,
     allgather_async,
@@ -57,7 +56,13 @@ from .collectives import (
     reducescatter_async,
     synchronize,
 )
-from .context import (
+from .control import barrier, join
+from .exceptions import HorovodInternalError
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
+from .optimizer import DistributedOptimizer
+from .process_sets import ProcessSet, add_process_set, global_process_set, init, remove_process_set
+from .session import (
     ccl_built,
     cross_rank,
     cross_size,
@@ -77,11 +82,6 @@ from .context import (
     shutdown,
     size,
 )
-from .exceptions import HorovodInternalError
-from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .ops import Adasum, Average, Compression, Max, Min, Product, Sum
-from .optimizer import DistributedOptimizer
-from .process_sets import ProcessSet, add_process_set, global_process_set, init, remove_process_set
 from .sparse import sparse_allreduce_async
 from .sync_batch_norm import SyncBatchNorm
 from .timeline import start_timeline, stop_timeline

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 
 from .autograd import differentiable
-from .context import SetInfo, current
 from .engine import Handle
 from .execute import Local
 from .ops import Average, Compression, Compressor, ReduceOp, resolve_op
 from .process_sets import global_process_set
+from .session import SetInfo, current
 from .sparse import SparseHandle
 from .submit import (
     Prepared,

@@ -35,7 +35,7 @@ import torch
 from mpi4py import MPI
 
 from .. import elastic as _elastic, torch as mgr_torch
-from . import context
+from . import session
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["ElasticSampler", "HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "State", "TorchState",
@@ -55,23 +55,23 @@ class _Context:
     """The Horovod context, made again over each new communicator (``hvd.size()``/``hvd.rank()`` follow)."""
 
     def communicators(self) -> Iterator[MPI.Comm]:
-        ctx = context._Session.context
+        ctx = session._Session.context
         if ctx is not None:
             yield from ctx.communicators()
 
     def rebuild(self, comm: MPI.Intracomm) -> None:
-        context.shutdown()  # frees the old communicators, locally after a revoke
-        context.init(comm)
+        session.shutdown()  # frees the old communicators, locally after a revoke
+        session.init(comm)
 
     def abandon(self) -> None:
         """At exit, before MPI is finalized: stop the engine's thread (no MPI call may follow the finalize)."""
-        ctx = context._Session.context
+        ctx = session._Session.context
         if ctx is not None:
             ctx.engine.close(limit=5.0)
 
 
 def _world() -> _elastic.World:
-    world = _elastic.World(context.current("hvd.elastic state").comm, interrupt=HostsUpdatedInterrupt)
+    world = _elastic.World(session.current("hvd.elastic state").comm, interrupt=HostsUpdatedInterrupt)
     world.track(_Context())
     return world
 
@@ -305,7 +305,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def reset(self) -> None:
         """Share the indices not yet processed this epoch among ``hvd.size()`` ranks."""
-        self.num_replicas, self.rank = context.size(), context.rank()
+        self.num_replicas, self.rank = session.size(), session.rank()
         indices = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(indices)

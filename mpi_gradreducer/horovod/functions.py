@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from .. import torch as mgr_torch
-from ..torch.state import rebuild, strip
-from .agreement import check
+from ..torch.optimizer_state import rebuild, strip
 from .collectives import grouped_broadcast_
-from .context import SetInfo, current
+from .control import check
 from .execute import Local
 from .process_sets import global_process_set
+from .session import SetInfo, current
 from .submit import Prepared, submit, wait
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]

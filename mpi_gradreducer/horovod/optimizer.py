@@ -33,11 +33,11 @@ from mpi4py import MPI
 from .. import torch as mgr_torch
 from .._core.options import Options
 from .._core.sparse import allgather_rowsparse
-from .agreement import check
-from .context import current
+from .control import check
 from .exceptions import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import global_process_set
+from .session import current
 from .sparse import from_rowsparse, to_rowsparse
 from .submit import set_of
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from mpi4py import MPI
 
-from . import context
-from .context import SetInfo, current
+from . import session
+from .session import SetInfo, current
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "init"]
 
@@ -101,7 +101,7 @@ class _GlobalProcessSet(ProcessSet):
 
     def __getattribute__(self, name: str) -> Any:
         if name == "ranks":  # every rank, once initialized
-            from .context import _Session
+            from .session import _Session
 
             ctx = _Session.context
             return None if ctx is None else list(ctx.sets[0].ranks)
@@ -132,7 +132,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         NotImplementedError: a set made from a communicator (give its ranks;
             communicators are taken by ``init``), on every rank.
     """
-    from .agreement import check
+    from .control import check
 
     ctx = current("hvd.add_process_set")
     what = "hvd.add_process_set"
@@ -180,7 +180,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         Whether it was removed: False for the global set or a set not added
         (on every rank alike). Its operations still in flight fail.
     """
-    from .agreement import check
+    from .control import check
 
     ctx = current("hvd.remove_process_set")
     given = getattr(process_set, "process_set_id", None)
@@ -197,12 +197,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 
 def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = None) -> None:
-    """Horovod's ``hvd.init``: the context over ``comm`` (:func:`.context.init`), then the process sets given.
+    """Horovod's ``hvd.init``: the context over ``comm`` (:func:`.session.init`), then the process sets given.
 
     Args:
         comm: None (every rank of ``MPI.COMM_WORLD``), an mpi4py
             intracommunicator (duplicated), or a list of ranks of
-            ``MPI.COMM_WORLD`` (see :func:`.context.init`).
+            ``MPI.COMM_WORLD`` (see :func:`.session.init`).
         process_sets: None or ``"dynamic"`` (process sets are added later
             with ``add_process_set``), or the process sets to add now: a list
             of ``ProcessSet`` objects (or lists of ranks), the same on every
@@ -210,12 +210,12 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None, process_sets: Any = 
             ranks and ``MPI.COMM_NULL`` elsewhere.
 
     Raises:
-        TypeError, ValueError: as :func:`.context.init`; and for process sets
+        TypeError, ValueError: as :func:`.session.init`; and for process sets
             that cannot be added (on every rank).
     """
-    if context.is_initialized():
+    if session.is_initialized():
         return
-    context.init(comm)
+    session.init(comm)
     if process_sets is not None and process_sets != "dynamic":
         _add_initial(process_sets)
 

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from .._core.sparse import RowSparse
-from .context import SetInfo
 from .execute import Local
 from .ops import Average, ReduceOp, Sum, resolve_op
 from .process_sets import global_process_set
+from .session import SetInfo
 from .submit import Prepared, dtype_name, raw_bytes, set_of, submit, wait
 
 __all__ = ["to_rowsparse", "from_rowsparse", "sparse_allreduce_async", "SparseHandle"]

@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .context import SetInfo, current
 from .engine import Handle, Op
 from .exceptions import HorovodInternalError
 from .execute import Local, wire_dtype
 from .negotiation import JOIN, Request, Response
+from .session import SetInfo, current
 
 __all__ = ["Prepared", "submit", "wait", "set_of", "tensor_arg", "tensors_arg", "entry",
            "numeric", "raw_bytes", "from_bytes", "factor_arg", "dtype_name"]

@@ -18,8 +18,8 @@ import os
 from typing import Any
 
 from .._core.timeline import Timeline
-from .agreement import check
-from .context import current
+from .control import check
+from .session import current
 
 __all__ = ["start_timeline", "stop_timeline"]
 

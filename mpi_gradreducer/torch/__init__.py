@@ -32,9 +32,10 @@ and which rank misused what. A healthy step sends nothing more than the
 gradients, and a rank in :meth:`DistributedOptimizer.join` takes part in it as
 in any reduction (its flags are zeros).
 
-The parts: ``optimizer`` (``DistributedOptimizer``), ``functions``
+The parts: ``optimizer`` (``DistributedOptimizer``), ``flags`` (the flags'
+layout and the misuse they report), ``functions``
 (``broadcast_parameters``, ``broadcast_optimizer_state``, ``init_gloo``,
-``clip_grad_norm_``), ``state`` (an optimizer's state sent from one rank)
+``clip_grad_norm_``), ``optimizer_state`` (an optimizer's state sent from one rank)
 and ``tensors`` (tensors compared across ranks, and viewed as bytes).
 """
 

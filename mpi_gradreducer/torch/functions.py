@@ -15,7 +15,7 @@ from .._core import backend, groups
 from .._core.rendezvous import tcp_rendezvous
 from .._core.shard import Shard
 from .optimizer import DistributedOptimizer
-from .state import send_state
+from .optimizer_state import send_state
 from .tensors import bytes_of, check_same_tensors
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_", "init_gloo"]

@@ -19,7 +19,7 @@ from .._core.options import Options
 from .._core.steps import ReductionStep
 from ..reducer import DistributedGradReducer
 from .flags import CHANGED, MISUSES, NO_BACKWARD, NOT_DENSE, WRITTEN, ZERO_GRAD, Flags, with_flags, without_flags
-from .state import send_state
+from .optimizer_state import send_state
 from .tensors import bytes_of, check_same_tensors
 
 __all__ = ["MISUSES", "DistributedOptimizer"]

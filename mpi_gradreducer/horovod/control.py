@@ -15,7 +15,7 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .context import SetInfo, current
+from .session import SetInfo, current
 from .submit import Prepared, submit, wait
 
 __all__ = ["join", "barrier", "check", "join_optimizers"]
