@@ -126,8 +126,22 @@ def _p(shape: tuple[int, ...], dtype: str, layout: str = "contiguous") -> Param:
     return Param(shape, np.dtype(dtype), layout)
 
 
+def _every_group_mean_and_degree(test: Callable[..., None]) -> Callable[..., None]:
+    """An example for each group, mean and degree: a divisor taken from the wrong communicator shows."""
+    for group in GROUPS:
+        for mean in (True, False):
+            for degree in (None, 3):
+                test = example(case=Case(
+                    params=(_p((3,), "float32"), _p((2, 2), "float64")), storage="separate", fusion=("type", 1),
+                    bucket_bytes=4 << 20, mean=mean, degree=degree, skip=None, group=group, check_finite=False,
+                    poison=None, seed=10,
+                ))(test)
+    return test
+
+
 @IN_STEP
 @given(case=cases())
+@_every_group_mean_and_degree
 @example(case=Case(  # a large gradient reduced in place, poisoned on rank 1
     params=(_p((3,), "float32"), _p((70_000,), "float32"), _p((2, 3), "float32", "strided")),
     storage="separate", fusion=("type", 1), bucket_bytes=4 << 20, mean=True, degree=None, skip=None,

@@ -43,8 +43,8 @@ class Context:
         self._summers: list[Any] = [self._summer_of(f.bucket) for f in plan.buffers]
         #: Per bucket: what it is, for the watchdog.
         self._described = [self.describe(k) for k in range(len(plan.buffers))]
-        #: Per bucket: its bytes on the wire.
-        self.wire_bytes = [self._wire_bytes(f.bucket) for f in plan.buffers]
+        #: Per bucket: the bytes of its last sum as handed to MPI (a hook's as its sums saw them, each call).
+        self.wire_bytes = [int(f.bucket.nbytes) for f in plan.buffers]
         first = plan.buffers[0].bucket if plan.buffers else None
         ordered = summers.ordered(first.wire_dtype) if first is not None and options.deterministic \
             and backend.is_host(first.device) else None
@@ -55,10 +55,6 @@ class Context:
         if backend.is_host(bucket.device) and bucket.wire_dtype.itemsize == 2:  # in float32, each rank one slice
             return self.summers.sliced(wire.half_format(bucket.wire_dtype))
         return self.summers.ordered(bucket.wire_dtype)
-
-    def _wire_bytes(self, bucket: Any) -> int:
-        counted = getattr(self.hook, "wire_bytes", None)
-        return int(counted(bucket.count, bucket.dtype)) if counted is not None else int(bucket.nbytes)
 
     def reduce(self, k: int, buf: Any, call: Call, every_chunk: bool = False) -> None:
         """Sum (and scale) ``buf``, bucket ``k``'s 1-D data (or what is left of it), in place: by the reducer
@@ -93,6 +89,7 @@ class Context:
     def _hooked(self, k: int, buf: Any, call: Call) -> None:
         """Bucket ``k``'s data through the hook; its sums through :meth:`GradBucket.reduce`."""
         f = self.plan.buffers[k]
+        sent = [0]  # the bytes the hook's sums handed to MPI, counted where they are handed over
 
         def reduce(data: Any, scale: float, summer: Summer | None, chunk_bytes: int | None) -> None:
             if summer is None and isinstance(data, np.ndarray) and data.dtype.itemsize == 2:
@@ -104,11 +101,13 @@ class Context:
             else:
                 made = allreduce(self.comm, data, scale, chunk_bytes or self._chunk, ordered=summer,
                                  every_chunk=True)
+            sent[0] += data.size * getattr(summer, "wire_itemsize", data.dtype.itemsize)
             self.instrument.stats.messages += made
 
         assert self.hook is not None
         self.instrument.collective(self._described[k], call.number, self.hook,
                                    GradBucket(k, f.bucket.indices, buf, call.scale, self.summers, reduce))
+        self.wire_bytes[k] = sent[0]
         if call.check_finite:
             call.check_chunk(buf, f.limit)
 

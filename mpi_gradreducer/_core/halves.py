@@ -119,6 +119,8 @@ class SliceSum:
         self._moves = Exchange(comm, wait)  # wait: see transport.Exchange
         self.across = across
         self.compression = compression
+        #: Bytes a value takes where it is handed to MPI.
+        self.wire_itemsize = compression.wire_dtype.itemsize
         self.method = method
         self.size = comm.Get_size()
         self.rank = comm.Get_rank()
@@ -303,6 +305,8 @@ class CastSum:
         self.summer, self.dtype, self.pieces = summer, np.dtype(dtype), pieces
         self.pre, self.post = 1.0 / predivide, float(predivide)
         self.wire_dtype = summer.compression.wire_dtype
+        #: Bytes a value takes where it is handed to MPI.
+        self.wire_itemsize = self.wire_dtype.itemsize
         self._wire = np.empty(0, self.wire_dtype)
 
     def __call__(self, chunk: Any, scale: float = 1.0) -> int:

@@ -100,12 +100,6 @@ class Cast:
         bucket.reduce(summer=summers.cast(dtype, self.compression, self.predivide),
                       chunk_bytes=summers.cast_chunk_bytes(dtype, self.compression))
 
-    def wire_bytes(self, count: int, dtype: Any) -> int:
-        """What ``count`` values of ``dtype`` weigh on the wire."""
-        itemsize = self.compression.wire_dtype.itemsize if self.compression.applies_to(dtype) else \
-            np.dtype(dtype).itemsize
-        return count * itemsize
-
 
 def bucket_hook(options: Options) -> BucketHook | None:
     """What sums each bucket of a reducer with ``options``: the user's hook, :class:`Cast` for

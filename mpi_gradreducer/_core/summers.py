@@ -152,6 +152,8 @@ class OrderedSum:
         self._moves = Exchange(comm, wait)
         self.across = across
         self.dtype = np.dtype(dtype)
+        #: Bytes a value takes where it is handed to MPI (what crosses hosts, where a level across them casts).
+        self.wire_itemsize: int = getattr(across, "wire_itemsize", self.dtype.itemsize)
         self.size, self.rank = comm.Get_size(), comm.Get_rank()
         self._type = dtlib.from_numpy_dtype(self.dtype)
         self._step = max(1, chunk_bytes // self.dtype.itemsize)
