@@ -81,8 +81,8 @@ def flat_view(a: Any) -> Any:
 #: The size of a huge page (x86-64, arm64 with 4 KiB base pages).
 HUGE_PAGE = 2 << 20
 #: Host buffers of at least this many bytes are mapped on huge-page boundaries with
-#: ``madvise(MADV_HUGEPAGE)``: MPICH moves a buffer of 1 to 4 MiB 1.4 to 1.6 times
-#: faster over huge pages (docs/performance.rst), and numpy asks for them only from 4 MiB.
+#: ``madvise(MADV_HUGEPAGE)``: MPICH moves such buffers faster over huge pages
+#: (docs/performance.rst, "The constants"), and numpy asks for them only from 4 MiB.
 #: (A buffer of 1 MiB then takes a whole huge page: at most twice its size.)
 HUGE_FROM = 1 << 20
 

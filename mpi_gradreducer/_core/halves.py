@@ -78,16 +78,15 @@ def compressed_allreduce(
 
 
 _METHODS = ("alltoall", "allreduce")
-#: Pieces of a chunk that :class:`CastSum` casts while the piece before travels (:meth:`SliceSum.pipelined`).
-#: ResNet-50 with fp16 at 1 Gbit/s, over the uncompressed call: 2 hosts x 2 ranks 0.55 (1 piece), 0.59 (2),
-#: 0.51 (4), 0.51 (8); 4 hosts x 1 rank 0.61, 1.00 (a stalled run), 0.52, 0.51.
+#: Pieces of a chunk that :class:`CastSum` casts while the piece before travels (:meth:`SliceSum.pipelined`):
+#: enough that the casts and the transfers overlap; more gained nothing (``CHANGELOG.rst``, 0.6.0).
 CAST_PIECES = 4
 
 
 @functools.cache
 def _float16_table() -> np.ndarray:
-    """The float32 value of every float16 bit pattern (256 KiB, read-only): ``table[bits]`` is numpy's own cast,
-    at 0.7 ns an element where the cast takes 1.2 (measured for 1 Mi elements on this machine)."""
+    """The float32 value of every float16 bit pattern (256 KiB, read-only): ``table[bits]`` gives numpy's own
+    cast, faster than the cast (``CHANGELOG.rst``, 0.5.0)."""
     table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
     table.flags.writeable = False
     return table

@@ -18,7 +18,7 @@ Routes, fastest first (measured per object in ``docs/interop.rst``):
 2. ``__array_interface__``: ``np.asarray`` (numpy honours it without a copy);
 3. ``__array__``, accepted only when the array it returns lies in memory
    owned by the object or by another object of its type (torch's CPU
-   tensors: about 1 µs), not in a copy of numpy's own;
+   tensors), not in a copy of numpy's own;
 4. ``__dlpack__`` with ``copy=False`` (``np.from_dlpack``, ``cupy.from_dlpack``),
    or the capsule read directly for dtypes numpy cannot import;
 5. ``__cuda_array_interface__``: ``cupy.asarray``.
@@ -64,7 +64,7 @@ def view(obj: Any, device: str | None = None) -> Any:
     if device is not None and device != "cpu":
         a = _device_view(obj)
         return a if a is not None else _host_view(obj)
-    # The hot path (torch CPU tensors, about 1 us): a view by __array__.
+    # The hot path (torch CPU tensors): a view by __array__.
     method = None if hasattr(obj, "__array_interface__") else getattr(obj, "__array__", None)
     a = _own_array(obj, method)
     if a is not None:

@@ -17,9 +17,8 @@ __all__ = ["CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHER_MEMBERS", "Exchang
 #: still in cache when it is scaled or unpacked.
 CHUNK_BYTES = 4 << 20
 #: The chunk size where the ranks span several hosts: every collective then
-#: crosses a link, and at 1 Gbit/s smaller chunks keep it busier (ResNet-50,
-#: 4 ranks, the mean's chunk sweep: 1 MiB within 0.3 % of the best chunk at
-#: 2 hosts x 2 ranks and the best at 4 x 1, where 4 MiB was 13 % slower).
+#: crosses a link, and smaller chunks keep it busier (the sweep that chose it:
+#: ``docs/performance.rst``, "The constants").
 CHUNK_BYTES_ACROSS_HOSTS = 1 << 20
 #: Members of a host bucket from which :class:`Gather` copies them in and out
 #: of its buffer (one MPI call each way) instead of one numpy copy per member.
@@ -70,9 +69,8 @@ class Gather:
     of ``COMM_SELF``; it is kept for the next call only when both calls pass
     the same *epoch*: the members are then proven the same objects with the
     same data pointers, shapes and strides (:class:`~.replay.Replay`), so that
-    it still covers their memory. For 1000 arrays of 4 KiB MPICH takes
-    0.17 ms each way where ``np.copyto`` per member takes 0.73 ms and
-    ``np.concatenate`` 0.36 ms (one process; CHANGELOG.rst, 0.3.0).
+    it still covers their memory. One C call moves many members faster than
+    a numpy copy each (``CHANGELOG.rst``, 0.3.0).
 
     Args:
         local: a duplicate of ``COMM_SELF`` for the reducer's local copies.

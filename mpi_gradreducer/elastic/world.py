@@ -262,13 +262,13 @@ class World:
     def _guard_exit(self) -> None:
         """At exit, finalize MPI within :data:`FINALIZE_SECONDS`, or exit without it.
 
-        After a loss, Open MPI 5's ``MPI_Finalize`` was seen to wait for good
-        in some survivors (open-mpi/ompi issue 11404; here about one run in
-        three after two ranks were lost at once). Registered once, when this
-        process first lives through a change of ranks: it stops the tracked
-        objects' watchdogs (no MPI call may follow the finalize), finalizes
-        on a thread, and if that has not returned in time, ends the process
-        with ``os._exit``: status 1 after an uncaught exception, else 0.
+        After a loss, Open MPI 5's ``MPI_Finalize`` can wait for good in some
+        survivors (open-mpi/ompi issue 11404; how often: ``docs/elastic.rst``,
+        Limits). Registered once, when this process first lives through a
+        change of ranks: it stops the tracked objects' watchdogs (no MPI call
+        may follow the finalize), finalizes on a thread, and if that has not
+        returned in time, ends the process with ``os._exit``: status 1 after
+        an uncaught exception, else 0.
         """
         if self._guarded:
             return
