@@ -92,8 +92,12 @@ class DistributedGradReducer:
     # -- construction steps -----------------------------------------------------------
 
     def _setup(self, group: MPI.Intracomm, parameters: Iterable[Any], asked: Options,
-               specs: Sequence[ParamSpec] | None = None) -> None:
-        """Everything the reducer holds, over a duplicate of ``group`` (collective; ``specs``: known already)."""
+               specs: Sequence[ParamSpec] | None = None, tuned: int | None = None) -> None:
+        """Everything the reducer holds, over a duplicate of ``group`` (collective).
+
+        ``specs``: the parameters' specs, known already; ``tuned``: the cap
+        that ``bucket_bytes="auto"`` chose before (no tuning again).
+        """
         self._comm = group.Dup()
         try:
             self._specs, self.options = resolve_options(self._comm, parameters, asked, specs)
@@ -121,11 +125,12 @@ class DistributedGradReducer:
             if options.powersgd is not None else None
         self._local = MPI.COMM_SELF.Dup()  # local copies: the buckets' (transport.Gather), the replay's
         self._replay = Replay(self._local)
-        if options.cap is None:
+        cap = options.cap if options.cap is not None else tuned
+        if cap is None:
             self._tuner = BucketTuner(distinct_caps(self._specs, options, CANDIDATE_BUCKET_BYTES))
             self._build_plan(self._tuner.current())
         else:
-            self._build_plan(options.cap)
+            self._build_plan(cap)
         #: With ``check_finite``: whether the last call's results held NaN or Inf (on any rank).
         self.nonfinite = False
         #: How many ranks contributed to the last call (the same on every rank; see ``join``).
@@ -301,8 +306,9 @@ class DistributedGradReducer:
         """
         if self._comm == MPI.COMM_NULL:
             return []
-        return [self._comm, self._local, *self._summers.communicators(), *self._overlap.communicators(),
+        made = [self._comm, self._local, *self._summers.communicators(), *self._overlap.communicators(),
                 *self._instrument.communicators()]
+        return [c for c in made if c != MPI.COMM_NULL]  # a rebuild cut short by a loss leaves parts released
 
     def abandon(self) -> None:
         """Release everything with no collective and no timeline: some of the ranks are gone (local).
@@ -335,6 +341,11 @@ class DistributedGradReducer:
         own number of ranks. Views from :meth:`allocate_grads` belong to the
         old buffers: allocate them again.
 
+        What the reducer learned is kept, as rank 0 of ``group`` has it (a
+        rank that was there before: the survivors come first): the cap that
+        ``bucket_bytes="auto"`` chose, and PowerSGD's iteration and Q; each
+        rank keeps its own PowerSGD error feedback (zeros on a new rank).
+
         Args:
             group: the new ranks, e.g. the survivors of a lost rank.
 
@@ -343,8 +354,14 @@ class DistributedGradReducer:
         """
         if not isinstance(group, MPI.Intracomm) or group == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {group!r}")
+        tuned = self._bucket_bytes if self._tuner is None and self.options.cap is None else None
+        lowrank = self._lowrank.state_dict() if self._lowrank is not None else None
         self.abandon()
-        self._setup(group, (), self.options, self._specs)
+        tuned = group.bcast(tuned, root=0)  # a new rank has not tuned (None): rank 0's choice for all
+        self._setup(group, (), self.options, self._specs, tuned)
+        if self._lowrank is not None and lowrank is not None:
+            shared = self._comm.bcast((lowrank["iteration"], lowrank["q"]), root=0)
+            self._lowrank.load_state_dict({"iteration": shared[0], "q": shared[1], "error": lowrank["error"]})
 
     def __enter__(self) -> DistributedGradReducer:
         return self

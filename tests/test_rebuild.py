@@ -103,3 +103,48 @@ def test_a_rebuilt_torch_optimizer_keeps_its_model_state_and_hooks():
     opt.step()
     opt.free()
     half.Free()
+
+
+def test_powersgd_keeps_its_iteration_q_and_each_ranks_error_through_a_rebuild():
+    from mpi_gradreducer import PowerSGD
+
+    rng = np.random.default_rng([3, WORLD.Get_rank()])
+    params = [np.zeros((64, 48), np.float32), np.zeros(5, np.float32)]
+    reducer = DistributedGradReducer(params, compression=PowerSGD(rank=2, start_iter=0, min_compression_rate=1))
+    for _ in range(3):
+        reducer([rng.standard_normal(p.shape).astype(np.float32) for p in params])
+    before = reducer.state_dict()
+    assert any(np.any(e != 0) for e in before["error"].values()), "the error feedback should hold something"
+    half = _half()
+    reducer.rebuild(half)
+    after = reducer.state_dict()
+    assert after["iteration"] == before["iteration"] == 3
+    for i in before["q"]:
+        assert np.array_equal(after["q"][i], before["q"][i])
+        assert np.array_equal(after["error"][i].view(np.uint32), before["error"][i].view(np.uint32))
+    grads = [np.full(p.shape, float(WORLD.Get_rank()), np.float32) for p in params]
+    reducer(grads)  # and it still reduces, over the half
+    np.testing.assert_allclose(grads[1], np.mean(_members(half)))
+    reducer.free()
+    half.Free()
+
+
+def test_an_auto_bucket_size_stays_chosen_through_a_rebuild():
+    shapes = [(200_000,)] * 12 + [(7, 7)]  # 800 KB each, below the in-place size: caps of 512 KiB to 16 MiB differ
+    params = [np.zeros(s, np.float32) for s in shapes]
+    reducer = DistributedGradReducer(params, bucket_bytes="auto")
+    grads = [np.ones(s, np.float32) for s in shapes]
+    layouts = []
+    for _ in range(30):
+        reducer(grads)
+        layouts.append([b.indices for b in reducer.buckets])
+    assert len({str(layout) for layout in layouts[:10]}) > 1, "the tuning should try several plans"
+    assert layouts[-1] == layouts[-8], "the tuning should have finished within 22 calls"
+    chosen = layouts[-1]
+    half = _half()
+    reducer.rebuild(half)
+    for _ in range(12):  # a reducer tuning afresh would try the other caps in these calls
+        reducer(grads)
+        assert [b.indices for b in reducer.buckets] == chosen
+    reducer.free()
+    half.Free()

@@ -13,7 +13,7 @@ from . import _ulfm
 from .discovery import Discovery
 from .errors import HostsUpdated, RanksLost
 from .state import State
-from .world import Settings
+from .world import Settings, World
 
 __all__ = ["run"]
 
@@ -70,6 +70,11 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
     why = faults.why_no_ulfm()
     if why is not None and world.comm.Get_rank() == 0:
         _say(f"mpi_gradreducer.elastic: a lost rank will end this job: {why}.")
+    def lost(exc: BaseException) -> bool:
+        """Whether ``exc`` means a lost rank that this job can survive."""
+        return why is None and (faults.failure_of(exc) is not None or isinstance(exc, RanksLost)
+                                or (failure is not None and failure(exc)) or _ulfm.failed_meanwhile(exc, world.comm))
+
     reset = world.join_if_new()
     sync = True
     while True:
@@ -88,23 +93,40 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
             sync = not exc.skip_sync
             t0 = time.perf_counter()
             before = world.comm.Get_size()
-            world.grow()
-            if world.comm.Get_rank() == 0:
-                _say(f"mpi_gradreducer.elastic: {world.comm.Get_size() - before} new rank(s) joined; "
-                     f"{world.comm.Get_size()} ranks go on from the commit of {state.commits} "
-                     f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
+            try:
+                world.grow()
+            except BaseException as again:  # a rank lost while the new ones merge: recover from the survivors
+                if not lost(again):
+                    raise
+                _recover(state, world, again, lost)
+                sync = True
+            else:
+                if world.comm.Get_rank() == 0:
+                    _say(f"mpi_gradreducer.elastic: {world.comm.Get_size() - before} new rank(s) joined; "
+                         f"{world.comm.Get_size()} ranks go on from the commit of {state.commits} "
+                         f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
         except BaseException as exc:
-            if why is not None or not (faults.failure_of(exc) is not None or isinstance(exc, RanksLost)
-                                       or (failure is not None and failure(exc))
-                                       or _ulfm.failed_meanwhile(exc, world.comm)):
+            if not lost(exc):
                 raise
-            state.restore()
-            state.failure = world.recover(exc)
+            _recover(state, world, exc, lost)
             sync = True
-            if world.comm.Get_rank() == 0:
-                _say(f"mpi_gradreducer.elastic: {state.failure} ({world.recovery_seconds:.2f} s to shrink and "
-                     "rebuild)")
         reset = True
+
+
+def _recover(state: State, world: World, error: BaseException, lost: Callable[[BaseException], bool]) -> None:
+    """Back to the last commit, then shrink and rebuild; again, from the new survivors, while ranks are lost
+    during the recovery itself (a loss in the shrink, the rebuild, a spawn or a merge)."""
+    state.rollback()
+    while True:
+        try:
+            state.failure = world.recover(error)
+            break
+        except BaseException as again:
+            if not lost(again):
+                raise
+            error = again
+    if world.comm.Get_rank() == 0:
+        _say(f"mpi_gradreducer.elastic: {state.failure} ({world.recovery_seconds:.2f} s to shrink and rebuild)")
 
 
 def _say(line: str) -> None:

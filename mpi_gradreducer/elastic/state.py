@@ -36,6 +36,7 @@ class State:
         self._reset_callbacks: list[Callable[[], Any]] = []
         #: How many commits this state has had (the same on every rank after :meth:`sync`).
         self.commits = 0
+        self._saved_commits = 0  # the count that belongs to the state saved aside
         #: The last loss of ranks this process survived (a :class:`~.errors.RanksLost`), or None.
         self.failure: BaseException | None = None
 
@@ -84,6 +85,7 @@ class State:
         """
         self.save()
         self.commits += 1
+        self._saved_commits = self.commits
         self.check_host_updates()
 
     def check_host_updates(self) -> None:
@@ -97,9 +99,20 @@ class State:
     def sync(self) -> None:
         """Every rank takes the newest commit, from the lowest rank that holds it (collective), and commits it."""
         root = self._world.newest(self.commits)
-        self.commits = self._world.comm.bcast(self.commits, root=root)
+        commits = self._world.comm.bcast(self.commits, root=root)
         self.sync_from(root)
+        self.commits = commits  # only once the state it counts has arrived: a root lost meanwhile leaves the old
         self.save()
+        self._saved_commits = self.commits
+
+    def rollback(self) -> None:
+        """Go back to the last commit, its count included (local): :meth:`restore`, then :attr:`commits`.
+
+        What the run loop does after a lost rank. A sync cut short by the
+        loss of its root leaves neither the half-sent state nor its count.
+        """
+        self.restore()
+        self.commits = self._saved_commits
 
     def save(self) -> None:
         """Copy the state aside (local)."""

@@ -276,11 +276,24 @@ class World:
         atexit.register(_finalize_within, self._tracked, FINALIZE_SECONDS)
 
     def _replace(self, comm: MPI.Intracomm) -> None:
+        self._complete_pending()
         old, self.comm = self.comm, comm
-        self._pending = None
         if old != MPI.COMM_NULL and old != comm:
             try:
                 old.Free()
+            except MPI.Exception:
+                pass
+
+    def _complete_pending(self) -> None:
+        """Complete the commit's small reduction in flight, if any, before its communicator goes (local).
+
+        Every rank started it at the same commit, so it completes when
+        growing; on a revoked communicator it fails at once, which is ignored.
+        """
+        if self._pending is not None:
+            request, self._pending = self._pending[0], None
+            try:
+                request.Wait()
             except MPI.Exception:
                 pass
 
@@ -318,7 +331,7 @@ class World:
 
     def _drop_background(self) -> None:
         """Forget the spawn and the look in flight (their communicators are revoked or unused)."""
-        self._pending = None
+        self._complete_pending()
         if self._spawner is not None:
             self._spawner.abandon()
             self._spawner = None
