@@ -117,16 +117,21 @@ def _recover(state: State, world: World, error: BaseException, lost: Callable[[B
     """Back to the last commit, then shrink and rebuild; again, from the new survivors, while ranks are lost
     during the recovery itself (a loss in the shrink, the rebuild, a spawn or a merge)."""
     state.rollback()
+    earlier: list[str] = []  # the losses of recoveries cut short by another one
     while True:
+        world.shrunk = None
         try:
             state.failure = world.recover(error)
             break
         except BaseException as again:
             if not lost(again):
                 raise
+            if world.shrunk is not None:
+                earlier.append(f"{world.shrunk}, then during the recovery: ")
             error = again
     if world.comm.Get_rank() == 0:
-        _say(f"mpi_gradreducer.elastic: {state.failure} ({world.recovery_seconds:.2f} s to shrink and rebuild)")
+        _say(f"mpi_gradreducer.elastic: {''.join(earlier)}{state.failure} ({world.recovery_seconds:.2f} s to shrink "
+             "and rebuild)")
 
 
 def _say(line: str) -> None:

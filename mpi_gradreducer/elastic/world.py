@@ -109,6 +109,8 @@ class World:
         self._guarded = False
         #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
         self.recovery_seconds = 0.0
+        #: The loss that the last shrink made up for (known before the rebuild: a recovery cut short still names it).
+        self.shrunk: RanksLost | None = None
 
     # -- objects rebuilt on each new communicator ---------------------------------------------
 
@@ -175,6 +177,7 @@ class World:
         old = self.comm
         new = _ulfm.shrink(old)
         lost = RanksLost(_ulfm.lost_ranks(old, new), old.Get_size(), new.Get_size(), where)
+        self.shrunk = lost
         self._replace(new)
         if self.comm.Get_size() < self.settings.min_size:
             self._wait_for_room()

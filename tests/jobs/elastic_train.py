@@ -29,6 +29,12 @@ What the test reads, all under ``--out``:
 reducer call at that step (the others wait for it in the collective).
 ``--slow-sync RANK``: after a failure, that original rank sleeps at the
 start of the sync (the others wait for it, inside the recovery).
+``--slow-bcast RANK``: after the first failure, that original rank sleeps
+just before the state's broadcast (phase ``bcast``; the others wait for it
+inside the broadcast).
+``--slow-rebuild RANK``: after the first failure, that original rank sleeps
+in the rebuild of the first object the world rebuilds (phase ``rebuild``; the
+others wait for it in the reducer's rebuild, inside the recovery).
 ``kill -USR1`` on a rank prints its threads' stacks (to look at a hang).
 """
 
@@ -65,6 +71,8 @@ def main() -> None:
     parser.add_argument("--step-seconds", type=float, default=0.02)
     parser.add_argument("--straggle", default="")
     parser.add_argument("--slow-sync", type=int, default=-1)
+    parser.add_argument("--slow-bcast", type=int, default=-1)
+    parser.add_argument("--slow-rebuild", type=int, default=-1)
     parser.add_argument("--progress", default="deferred")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--min-size", type=int, default=None)
@@ -95,6 +103,14 @@ def main() -> None:
         step0 = int(saved["step"])
     straggler, straggle_step = (int(v) for v in args.straggle.split(":")) if args.straggle else (-2, -1)
 
+    paused: list[str] = []  # the pauses made (each at most once)
+
+    def pause(name: str, rank: int, step: int) -> None:
+        if first_rank == rank and name not in paused:
+            paused.append(name)
+            at(name, step)
+            time.sleep(3.0)
+
     class Tracked(elastic.ArrayState):
         def sync(self) -> None:
             if self.failure is not None:
@@ -103,9 +119,27 @@ def main() -> None:
                     time.sleep(3.0)
             super().sync()
 
+        def sync_from(self, root: int) -> None:
+            if self.failure is not None:
+                pause("bcast", args.slow_bcast, self.step)
+            super().sync_from(root)
+
+    class Pause:
+        """Rebuilt first: a slow rebuild on one rank, the others then waiting in the reducer's (elastic.Rebuildable)."""
+
+        def communicators(self) -> list[MPI.Comm]:
+            return []
+
+        def abandon(self) -> None:
+            pass
+
+        def rebuild(self, comm: MPI.Intracomm) -> None:
+            pause("rebuild", args.slow_rebuild, state.step)
+
     state = Tracked(params, step=step0)
     reducer = DistributedGradReducer(params, group=state.comm, deterministic=True, progress=args.progress,
                                      timeout=args.timeout if args.timeout else "env")
+    state.world.track(Pause())
     state.world.track(reducer)
     resumed: list[int] = []
 

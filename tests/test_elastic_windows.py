@@ -1,0 +1,44 @@
+"""Elastic mode: a second rank lost inside the windows of a recovery, SIGKILLed from outside (Open MPI, ULFM).
+
+A first rank is killed after step 10's commit; while the survivors recover,
+a second one is killed where the job holds them (``tests/jobs/elastic_train.py``
+sleeps on that rank at the named phase, so that the others wait for it in
+the window): in the rebuild of the reducer, and in the state's broadcast, as
+its root and as a receiver. In every case the job exits 0, the two ranks
+left end with bit-identical parameters at the last step, no committed step
+is lost, and the survivors named both losses (the second in the numbering
+of the communicator of the moment).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_ompi import kill, wait_for
+from test_elastic import check, committed, needs_ompi, phase, pid_of, start
+
+pytestmark = pytest.mark.slow
+
+
+@needs_ompi
+@pytest.mark.parametrize("window, option, second, named", [
+    ("rebuild", "--slow-rebuild", 3, "lost rank 2 of 3"),  # the others wait in the reducer's rebuild
+    ("bcast", "--slow-bcast", 0, "lost rank 0 of 3"),  # the root of the state's broadcast
+    ("bcast", "--slow-bcast", 3, "lost rank 2 of 3"),  # a receiver of the state's broadcast
+], ids=["in-rebuild", "bcast-root", "bcast-receiver"])
+def test_a_second_loss_inside_the_recovery(tmp_path: Path, window: str, option: str, second: int,
+                                           named: str) -> None:
+    out, job = start(tmp_path, "--steps", "40", option, str(second))
+    with job:
+        first, victim = pid_of(out, 1), pid_of(out, second)
+        wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
+        kill(first)
+        wait_for(lambda: (phase(out, victim) or ("", 0))[0] == window, 180, f"rank {second} in the {window} window",
+                 job)
+        time.sleep(0.5)  # the others wait for it inside the window
+        kill(victim)
+        check(out, job, 40, 2, [])
+        assert "lost rank 1 of 4" in job.output and named in job.output, job.output[-3000:]
