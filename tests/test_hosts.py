@@ -40,6 +40,7 @@ import pytest
 
 from clusters import CLUSTER, ROOT, HostCluster, cli, job_env, leftovers, new_name, new_tag, tagged
 from conftest import cluster_unavailable, job_launcher
+from mpi_gradreducer import jobs
 
 TRAIN = ROOT / "tests" / "jobs" / "train.py"
 #: The reducer's timeout in the jobs whose link is cut for good.
@@ -332,43 +333,33 @@ def test_a_failing_command_returns_its_status_and_leaves_nothing():
     assert not leftovers(name, tag), leftovers(name, tag)
 
 
-def _run_sleepers(name: str, tag: str, *args: str) -> subprocess.Popen:
+def _run_sleepers(name: str, tag: str, *args: str) -> jobs.Job:
     """``cluster.py run --hosts 2 ARGS -- sleep 60``, once a ``sleep`` runs on each host."""
-    proc = subprocess.Popen([sys.executable, str(CLUSTER), "--name", name, "run", "--hosts", "2", *args, "--",
-                             "sleep", "60"], cwd=ROOT, env=job_env(tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = jobs.Job([sys.executable, str(CLUSTER), "--name", name, "run", "--hosts", "2", *args, "--", "sleep", "60"],
+                   cwd=ROOT, env=job_env(tag))
     deadline = time.monotonic() + 20
     while sum(cmd == "sleep 60" for cmd in tagged(tag).values()) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, f"no sleep on each host: {tagged(tag)}"
+        if time.monotonic() > deadline or job.poll() is not None:
+            job.stop()
+            raise AssertionError(f"no sleep on each host: {tagged(tag)}\n{job.stderr}")
         time.sleep(0.05)
-    return proc
+    return job
 
 
 def test_a_job_past_its_timeout_is_killed_and_nothing_left():
     name, tag = new_name("y"), new_tag()
     start = time.monotonic()
-    proc = _run_sleepers(name, tag, "--timeout", "3")
-    try:
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 124 and time.monotonic() - start < 15, err
-    assert "the job ran past --timeout 3 s; killing it" in err, err
+    with _run_sleepers(name, tag, "--timeout", "3") as job:
+        done = job.finish(30)
+    assert done.returncode == 124 and not done.timed_out and time.monotonic() - start < 15, done
+    assert "the job ran past --timeout 3 s; killing it" in done.stderr, done
     assert not leftovers(name, tag), leftovers(name, tag)
 
 
 def test_an_interrupted_run_takes_the_cluster_down():
     name, tag = new_name("y"), new_tag()
-    proc = _run_sleepers(name, tag)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130 and "interrupted" in err, err
+    with _run_sleepers(name, tag) as job:
+        job.process.send_signal(signal.SIGTERM)  # to cluster.py alone: it must end its job itself
+        done = job.finish(30)
+    assert done.returncode == 130 and not done.timed_out and "interrupted" in done.stderr, done
     assert not leftovers(name, tag), leftovers(name, tag)
-
