@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from clusters import CLUSTER, ROOT, HostCluster, cli, job_env, leftovers, new_name, new_tag, tagged
+from clusters import CLUSTER, ROOT, HostCluster, cli, job_env, kill_tagged, leftovers, new_name, new_tag, tagged
 from conftest import cluster_unavailable, job_launcher
 from mpi_gradreducer import jobs
 
@@ -363,3 +363,32 @@ def test_an_interrupted_run_takes_the_cluster_down():
         done = job.finish(30)
     assert done.returncode == 130 and not done.timed_out and "interrupted" in done.stderr, done
     assert not leftovers(name, tag), leftovers(name, tag)
+
+
+def test_down_ends_a_process_left_on_a_host():
+    """``cluster.py down`` itself must end what still runs on a host (every other test's processes are gone
+    before it runs): a process left in host 2's namespace, in a session of its own as a daemon would be, is
+    named and killed by ``down``, which then removes the namespaces, interfaces and bridge."""
+    name, tag = new_name("d"), new_tag()
+    try:
+        made = cli(name, "up", "--hosts", "2", tag=tag)
+        assert made.returncode == 0, made
+        left = cli(name, "exec", "2", "--", "sh", "-c", "setsid -f sleep 300 </dev/null >/dev/null 2>&1", tag=tag)
+        assert left.returncode == 0, left
+        host2 = os.stat(f"/run/netns/{name}-h2").st_ino
+        deadline = time.monotonic() + 10
+        while not (sleeper := [pid for pid, cmd in tagged(tag).items() if cmd == "sleep 300"]):
+            assert time.monotonic() < deadline, f"no sleep left on host 2: {tagged(tag)}"
+            time.sleep(0.05)
+        assert len(sleeper) == 1 and os.stat(f"/proc/{sleeper[0]}/ns/net").st_ino == host2, tagged(tag)
+        down = cli(name, "down", tag=tag)
+        assert down.returncode == 0, down
+        assert f"cluster {name}: host 2: killed 1 processes: {sleeper[0]} sleep 300" in down.stderr, down
+        deadline = time.monotonic() + 2
+        while tagged(tag) and time.monotonic() < deadline:  # SIGKILL sent: it goes at once
+            time.sleep(0.05)
+        assert not leftovers(name, tag), leftovers(name, tag)
+    finally:
+        kill_tagged(tag)
+        if leftovers(name, tag):
+            cli(name, "down", tag=tag)
