@@ -17,7 +17,6 @@ import importlib.util
 import os
 import re
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -369,8 +368,10 @@ def cluster_unavailable() -> str | None:
     if WORLD.Get_size() > 1:
         return "launches its own MPI jobs: run from a single process"
     script = Path(__file__).resolve().parents[1] / "scripts" / "cluster.py"
-    proc = subprocess.run([sys.executable, str(script), "check"], capture_output=True, text=True, timeout=60)
-    return None if proc.returncode == 0 else f"no cluster of network namespaces here: {proc.stderr.strip()}"
+    done = jobs.run([sys.executable, str(script), "check"], timeout=60)
+    if done.timed_out:
+        return "no cluster of network namespaces here: `cluster.py check` ran past 60 s"
+    return None if done.returncode == 0 else f"no cluster of network namespaces here: {done.stderr.strip()}"
 
 
 def _cupy_devices() -> int:
