@@ -263,10 +263,10 @@ class Job:
         except subprocess.TimeoutExpired:
             return None
 
-    def _drained(self, deadline: float) -> bool:
-        """Wait until the readers have seen the end of their streams, at most until ``deadline``."""
+    def _drained(self, deadline: float | None) -> bool:
+        """Wait until the readers have seen the end of their streams, at most until ``deadline`` (None: for good)."""
         for thread in self._threads:
-            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            thread.join(timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         return not any(thread.is_alive() for thread in self._threads)
 
     def stop(self) -> None:
@@ -314,7 +314,7 @@ class Job:
             status = self.wait(timeout)
             if status is not None:
                 self._ended = time.monotonic()
-            if status is None or not self._drained(float("inf") if deadline is None else deadline):
+            if status is None or not self._drained(deadline):
                 self.timed_out = True
                 self.stop()
         except BaseException:

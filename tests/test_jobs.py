@@ -132,3 +132,8 @@ def test_bad_arguments_are_refused_before_anything_starts():
         jobs.Job(["true"], grace=-1)
     with pytest.raises(FileNotFoundError):
         jobs.run(["/no/such/program"], timeout=5)
+
+
+def test_no_deadline_waits_for_the_end():
+    done = jobs.run(["sh", "-c", "sleep 0.3; echo done"], timeout=None)
+    assert done.returncode == 0 and done.stdout == "done\n" and not done.timed_out and done.seconds >= 0.3, done
