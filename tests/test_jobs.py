@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import signal
 import sys
 import time
@@ -137,3 +138,14 @@ def test_bad_arguments_are_refused_before_anything_starts():
 def test_no_deadline_waits_for_the_end():
     done = jobs.run(["sh", "-c", "sleep 0.3; echo done"], timeout=None)
     assert done.returncode == 0 and done.stdout == "done\n" and not done.timed_out and done.seconds >= 0.3, done
+
+
+@pytest.mark.parametrize("name", ["jobs", "launch"])
+def test_it_imports_nothing_but_the_standard_library(name: str):
+    """``scripts/device_check.py`` loads these two from their files, before the package's dependencies
+    (numpy, mpi4py and its MPI library) can be imported."""
+    tree = ast.parse((Path(jobs.__file__).parent / f"{name}.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    others = sorted(m for m in imported if m.split(".")[0] not in sys.stdlib_module_names)
+    assert not others, f"mpi_gradreducer/{name}.py imports {others}: only the standard library expected"
