@@ -26,6 +26,8 @@ Output is read by threads as it comes, so a full pipe never blocks the job,
 and a process that escaped the group but holds its pipes cannot block the
 caller: what was read by then is returned. Finding the processes below the
 leader reads ``/proc`` (Linux); elsewhere only the group is signalled.
+:func:`marked` and :func:`kill_marked` find and end the processes that carry
+a variable of the job's environment, wherever they went.
 
 Importing this module imports nothing but the standard library.
 """
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["GRACE", "PIPE", "STDOUT", "Finished", "Job", "descendants", "run"]
+__all__ = ["GRACE", "PIPE", "STDOUT", "Finished", "Job", "descendants", "kill_marked", "marked", "run"]
 
 #: Seconds between SIGTERM and SIGKILL when a job is stopped.
 GRACE = 5.0
@@ -121,6 +123,53 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def marked(variable: str, value: str) -> dict[int, str]:
+    """The live processes whose environment holds ``variable=value`` (Linux ``/proc``; elsewhere none).
+
+    A variable set in a job's environment (``Job(env=...)``) is inherited by
+    every process the job starts, so it finds them wherever they went: in a
+    session of their own, reparented after their parent died, or in another
+    network namespace. A zombie shows no environment, and is not found.
+
+    Args:
+        variable: the environment variable's name.
+        value: its value.
+
+    Returns:
+        Their process ids to their command lines.
+    """
+    needle = f"{variable}={value}".encode()
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if needle in environ.split(b"\0"):
+            found[int(entry.name)] = _cmdline(int(entry.name))
+    return found
+
+
+def kill_marked(variable: str, value: str, wait: float = 5.0) -> dict[int, str]:
+    """SIGKILL every process of :func:`marked`, again and again until none is left, at most ``wait`` seconds.
+
+    Returns:
+        Those still alive then (pid to command line): none, unless a kill failed.
+    """
+    deadline = time.monotonic() + wait
+    while (left := marked(variable, value)) and time.monotonic() < deadline:
+        _send(list(left), 0, signal.SIGKILL)
+        time.sleep(0.05)
+    return left
+
+
 def _members(group: int) -> list[int]:
     """The live processes of process group ``group``, zombies left out."""
     table = _table()
@@ -148,8 +197,10 @@ def _alive(pid: int) -> bool:
 
 
 def _send(pids: Sequence[int], group: int, sig: int) -> None:
+    """Send ``sig`` to process group ``group`` (none for 0) and to ``pids``, ignoring those that are gone."""
     try:
-        os.killpg(group, sig)
+        if group:
+            os.killpg(group, sig)
     except OSError:  # no process left in the group, or none of ours
         pass
     for pid in pids:

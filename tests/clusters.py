@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -73,25 +72,9 @@ def cli(name: str, *args: str, tag: str, timeout: float = 120) -> jobs.Finished:
     return done
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "?"
-
-
 def tagged(tag: str) -> dict[int, str]:
     """The live processes marked with ``tag``: pid to command line (a zombie shows no environment)."""
-    needle = f"{TAG}={tag}\0".encode()
-    found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            marked = needle in (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if marked:
-            found[int(entry.name)] = _cmdline(int(entry.name))
-    return found
+    return jobs.marked(TAG, tag)
 
 
 def describe(procs: dict[int, str]) -> str:
@@ -100,14 +83,7 @@ def describe(procs: dict[int, str]) -> str:
 
 def kill_tagged(tag: str) -> None:
     """SIGKILL every process marked with ``tag``; wait (at most 5 s) until none is left."""
-    deadline = time.monotonic() + 5
-    while (left := tagged(tag)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.05)
+    jobs.kill_marked(TAG, tag)
 
 
 def remains(name: str) -> list[str]:

@@ -16,7 +16,6 @@ import functools
 import importlib.util
 import os
 import re
-import signal
 import sys
 import tempfile
 import threading
@@ -327,16 +326,7 @@ def run_job(script: str, *args: str, ranks: int = 4, runner: bool = True, module
 
 def marked(mark: str) -> dict[int, str]:
     """Live processes whose environment holds ``JOB_MARK=mark``: pid to command line (Linux; elsewhere none)."""
-    needle = f"{JOB_MARK}={mark}".encode()
-    found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
-                    errors="replace").strip()
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
+    return jobs.marked(JOB_MARK, mark)
 
 
 def describe(procs: dict[int, str]) -> str:
@@ -349,15 +339,7 @@ def kill_marked(mark: str) -> dict[int, str]:
     Returns:
         The marked processes still alive 5 s later (pid to command line): none, unless a kill failed.
     """
-    for target in marked(mark):
-        try:
-            os.kill(target, signal.SIGKILL)
-        except OSError:
-            pass
-    deadline = time.monotonic() + 5
-    while marked(mark) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return marked(mark)
+    return jobs.kill_marked(JOB_MARK, mark)
 
 
 def cluster_unavailable() -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import signal
 import sys
 import time
@@ -149,3 +150,16 @@ def test_it_imports_nothing_but_the_standard_library(name: str):
     imported |= {"." * node.level + (node.module or "") for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     others = sorted(m for m in imported if m.split(".")[0] not in sys.stdlib_module_names)
     assert not others, f"mpi_gradreducer/{name}.py imports {others}: only the standard library expected"
+
+
+def test_a_mark_in_the_environment_finds_a_process_that_left_the_group_and_the_tree():
+    mark = f"t{os.getpid()}x{time.monotonic_ns()}"
+    env = {**os.environ, "JOBS_TEST_MARK": mark}
+    done = jobs.run(["sh", "-c", "setsid -f sleep 301 </dev/null >/dev/null 2>&1"], timeout=30, env=env)
+    assert done.returncode == 0 and not done.timed_out, done  # its leader gone, the sleep in a session of its own
+    deadline = time.monotonic() + 5
+    while not (found := jobs.marked("JOBS_TEST_MARK", mark)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert list(found.values()) == ["sleep 301"], found
+    assert jobs.marked("JOBS_TEST_MARK", mark + "0") == {}  # the whole value, not a prefix of it
+    assert jobs.kill_marked("JOBS_TEST_MARK", mark) == {} and not wait_gone(list(found), 1), found
