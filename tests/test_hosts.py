@@ -11,7 +11,8 @@ lost (or go on with the right weights, after a step that stalled through
 the outage). Every process a test starts is found by a mark in its
 environment (:mod:`clusters`), while the job runs, after it ended, and after
 the cluster is down: none may be left, nor found and killed by
-``cluster.py run`` after ``mpiexec`` ended. The harness's own errors (not root, a
+``cluster.py run`` after ``mpiexec`` ended; ``cluster.py down`` must itself end
+a process left on a host. The harness's own errors (not root, a
 bad host count or rate, a failing command, a counter it cannot read, an
 interruption) are tested here too: each says what is wrong and leaves
 nothing behind.
