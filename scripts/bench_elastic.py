@@ -24,12 +24,12 @@ import os
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from mpi_gradreducer import jobs
 from mpi_gradreducer.launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,8 +67,8 @@ def bench_commit() -> None:
 
 def bench_step() -> None:
     mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-    done = subprocess.run([mpiexec, "-n", "4", sys.executable, str(Path(__file__).resolve()), "_step"],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = jobs.run([mpiexec, "-n", "4", sys.executable, str(Path(__file__).resolve()), "_step"], timeout=600,
+                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     print(done.stdout.strip() or done.stderr[-2000:])
 
 
@@ -116,7 +116,7 @@ def _step_job() -> None:
     reducer.free()
 
 
-def _ompi_job(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+def _ompi_job(out: Path, env: dict[str, str]) -> jobs.Job:
     venv = Path(os.environ.get("MPI_GRADREDUCER_OMPI_VENV", ROOT / ".venv-ompi"))
     launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
     variables = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
@@ -126,8 +126,7 @@ def _ompi_job(out: Path, env: dict[str, str]) -> subprocess.Popen[str]:
     command = launcher.command([str(venv / "bin" / "python"), str(ROOT / "tests" / "jobs" / "elastic_train.py"),
                                 "--out", str(out), "--steps", "150"], ranks=4, oversubscribe=True,
                                fault_tolerance=True, env=variables)
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=environ)
+    return jobs.Job(command, env=environ, stderr=jobs.STDOUT)
 
 
 def _after_kill(replace: bool) -> float:
@@ -137,8 +136,7 @@ def _after_kill(replace: bool) -> float:
         if replace:
             (out / "hosts").write_text("localhost:4\n")
             env["MPI_GRADREDUCER_ELASTIC_HOSTFILE"] = str(out / "hosts")
-        job = _ompi_job(out, env)
-        try:
+        with _ompi_job(out, env) as job:
             deadline = time.monotonic() + 120
             while not any("commit 20 " in p.read_text() for p in out.glob("log.*")):
                 if time.monotonic() > deadline or job.poll() is not None:
@@ -146,11 +144,8 @@ def _after_kill(replace: bool) -> float:
                 time.sleep(0.01)
             killed = time.time()
             os.kill(int((out / "pid.2").read_text()), signal.SIGKILL)
-            job.communicate(timeout=180)
-        finally:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
-                job.communicate()
+            if job.finish(180).timed_out:
+                raise RuntimeError(f"the job did not end within 180 s of the kill:\n{job.stdout[-3000:]}")
         firsts = []
         for log in out.glob("log.*"):
             pid = log.name.split(".")[1]

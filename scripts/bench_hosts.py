@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +49,7 @@ import mpi4py
 mpi4py.rc.initialize = False  # this process only launches jobs: no MPI here
 mpi4py.rc.finalize = False
 
+from mpi_gradreducer import jobs  # noqa: E402
 from mpi_gradreducer.bench.network import format_ms, format_rate, parse_link_rate  # noqa: E402
 from mpi_gradreducer.bench.output import bytes_label, write_json  # noqa: E402
 
@@ -96,22 +96,13 @@ def cluster(name: str, *args: str, timeout: float = 120) -> int:
     """``cluster.py --name NAME ARGS``, its output passed through; its exit status.
 
     Interrupted (or past ``timeout``), it is sent SIGTERM first, so that it kills the job it runs (a
-    ``run``) before it goes; killed only if it has not gone 30 s later.
+    ``run``) before it goes; killed only if it has not gone 30 s later (:func:`mpi_gradreducer.jobs.run`).
     """
-    proc = subprocess.Popen([sys.executable, str(CLUSTER), "--name", name, *args])
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    done = jobs.run([sys.executable, str(CLUSTER), "--name", name, *args], timeout=timeout, capture=False, grace=30)
+    if done.timed_out:
         print(f"bench_hosts: `cluster.py {' '.join(args[:1])}` ran past {timeout:g} s", file=sys.stderr, flush=True)
         return 124
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    return done.returncode
 
 
 def bench_command(args: argparse.Namespace, rate: str, path: str) -> list[str]:

@@ -338,18 +338,18 @@ class Cluster:
     def run(self, ppn: int, command: Sequence[str], launcher: Launcher, timeout: float | None,
             ft: bool = False) -> int:
         """Run ``command`` under ``mpiexec`` across the hosts (with ULFM if ``ft``); leave no process behind."""
+        from mpi_gradreducer import jobs
+
         cmd = self.mpiexec(ppn, command, launcher, ft)
-        proc = subprocess.Popen(cmd, env=launcher.environment(), start_new_session=True)
-        status = None
         try:
-            status = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            print(f"cluster: the job ran past --timeout {timeout:g} s; killing it", file=sys.stderr, flush=True)
-            status = 124
+            with jobs.Job(cmd, env=launcher.environment(), stdout=None, stderr=None) as job:
+                status = job.wait(timeout)
+                if status is None:
+                    print(f"cluster: the job ran past --timeout {timeout:g} s; killing it", file=sys.stderr,
+                          flush=True)
+                    job.stop()
+                    status = 124
         finally:
-            if proc.poll() is None:
-                kill_group(proc.pid)
-                proc.wait()
             self._reap()
         return status
 
@@ -400,13 +400,6 @@ def kill(pids: list[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
-
-
-def kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 def launch(host: str, command: str) -> int:

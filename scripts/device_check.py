@@ -42,12 +42,11 @@ Environment (all optional):
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import re
 import shutil
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -55,6 +54,7 @@ import traceback
 import xml.etree.ElementTree as ET
 import zipfile
 from collections.abc import Sequence
+from types import ModuleType
 from typing import IO
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir))
@@ -333,48 +333,37 @@ class Check:
         self.run(name, want, reserve, [self.mpiexec, *args])
 
 
+def _package_module(name: str) -> ModuleType:
+    """``mpi_gradreducer.NAME`` (one that imports only the standard library), loaded from its file.
+
+    This check runs before the package's dependencies can be imported here
+    (mpi4py finds its MPI library only once step 1 has installed it), and
+    importing the package would import them.
+    """
+    loaded = sys.modules.get(f"_device_check_{name}")
+    if loaded is not None:
+        return loaded
+    spec = importlib.util.spec_from_file_location(f"_device_check_{name}",
+                                                  os.path.join(ROOT, "mpi_gradreducer", f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def limited(cmd: Sequence[str], secs: int, capture: bool = False) -> tuple[int, str]:
-    """``cmd`` in a session of its own, ended after ``secs`` seconds (SIGTERM, then SIGKILL 5 s later).
+    """``cmd`` as a process group of its own, ended after ``secs`` seconds (SIGTERM, then SIGKILL 5 s later:
+    :mod:`mpi_gradreducer.jobs`).
 
     Returns:
         Its status (124 when the limit ended it, 137 when it had to be
         killed), and its output with ``capture`` (else printed as it comes).
     """
-    proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
-    captured: list[str] = []
-    assert proc.stdout is not None
-    pipe = proc.stdout
-
-    def copy() -> None:
-        for line in pipe:
-            if capture:
-                captured.append(line)
-            else:
-                sys.stdout.write(line)
-
-    reader = threading.Thread(target=copy, daemon=True)
-    reader.start()
-    try:
-        rc = proc.wait(timeout=secs)
-    except subprocess.TimeoutExpired:
-        rc = 124
-        _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            _signal_group(proc, signal.SIGKILL)
-            proc.wait()
-            rc = 137
-    reader.join(timeout=10)
-    return rc, "".join(captured)
-
-
-def _signal_group(proc: subprocess.Popen[str], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+    done = _package_module("jobs").run(list(cmd), timeout=secs, merge=True,
+                                       on_line=None if capture else sys.stdout.write)
+    rc = (137 if done.killed else 124) if done.timed_out else done.returncode
+    return rc, done.stdout if capture else ""
 
 
 def step(title: str) -> None:
@@ -393,8 +382,7 @@ def install_wheels(c: Check) -> int:
         os.makedirs(c.site)
     except OSError:
         return 1
-    if subprocess.run([c.py, "-m", "pip", "--version"], stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL).returncode != 0:
+    if limited([c.py, "-m", "pip", "--version"], 60, capture=True)[0] != 0:
         print(f"no pip for {c.py}: unpacking the wheels")
         try:
             unpack_wheels(c.site, wheels)
@@ -452,25 +440,19 @@ def wheels_step(c: Check) -> None:
 
 
 def mpiexec_candidates(c: Check) -> list[str]:
-    """MPICH's own first: the one installed from the wheels, then the one next to this Python (a
-    virtual environment with the mpich package), then the system's."""
+    """MPICH's own first: the one installed from the wheels, then the one a user of ``$PYTHON``'s
+    environment would run (:func:`mpi_gradreducer.launch.find_mpiexec`: beside it, else on PATH),
+    also where ``$PYTHON`` is a link out of its environment."""
+    find_mpiexec = _package_module("launch").find_mpiexec
     found = [os.path.join(c.site, "mpich", "bin", "mpiexec"), os.path.join(c.site, "bin", "mpiexec")]
-    python = shutil.which(c.py)
-    if python:
-        found.append(os.path.join(os.path.dirname(python), "mpiexec"))
-    try:
-        prefix = subprocess.run([c.py, "-c", "import sys; print(sys.prefix)"], capture_output=True, text=True,
-                                timeout=20).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        prefix = ""
-    if prefix:
-        found.append(os.path.join(prefix, "bin", "mpiexec"))
-    system = shutil.which("mpiexec")
-    if system:
-        found.append(system)
+    pythons = [shutil.which(c.py)]
+    rc, prefix = limited([c.py, "-c", "import sys; print(sys.prefix)"], 20, capture=True)
+    if rc == 0 and prefix.strip():
+        pythons.append(os.path.join(prefix.strip().splitlines()[-1], "bin", "python"))
+    found += [find_mpiexec(python) for python in pythons if python] or [find_mpiexec()]
     candidates: list[str] = []
     for m in found:
-        if os.path.isfile(m) and os.access(m, os.X_OK) and m not in candidates:
+        if m and os.path.isfile(m) and os.access(m, os.X_OK) and m not in candidates:
             candidates.append(m)
     return candidates
 

@@ -44,7 +44,6 @@ import ast
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -163,36 +162,6 @@ def command(mpiexec: str, name: str, ranks: int, reports: Path) -> list[str]:
     return cmd
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc; empty where there is none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            stat = entry.read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL the job's process group and every process below it, then reap it."""
-    below = _descendants(proc.pid)
-    for kill in (lambda: os.killpg(proc.pid, signal.SIGKILL), *(
-            (lambda p=p: os.kill(p, signal.SIGKILL)) for p in below)):
-        try:
-            kill()
-        except (ProcessLookupError, PermissionError):
-            pass
-    proc.wait()
-
-
 def _report(path: Path) -> tuple[str, str] | None:
     """A rank's JUnit report as (status, detail), or None while it is not written."""
     try:
@@ -213,16 +182,18 @@ def _report(path: Path) -> tuple[str, str] | None:
 
 def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) -> Outcome:
     """Run one test as its own job of ``ranks`` ranks, at most ``limit`` seconds."""
+    from mpi_gradreducer import jobs  # with MPI not initialised here (see main)
+
     reports = Path(tempfile.mkdtemp(prefix=f"reports-{ranks}-", dir=folder))
     log = reports / "output.txt"
     t0 = time.monotonic()
     with open(log, "wb") as out:
-        proc = subprocess.Popen(command(mpiexec, name, ranks, reports), cwd=folder / TEST_FILE.parent,
-                                env=job_environment(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        job = jobs.Job(command(mpiexec, name, ranks, reports), cwd=folder / TEST_FILE.parent,
+                       env=job_environment(), stdout=out, stderr=jobs.STDOUT)
         failed_at: float | None = None
         timed_out = False
         try:
-            while proc.poll() is None:
+            while job.poll() is None:
                 now = time.monotonic()
                 if now - t0 > limit or failed_at is not None and now - failed_at > GRACE_SECONDS:
                     timed_out = failed_at is None
@@ -232,7 +203,7 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
                     failed_at = now
                 time.sleep(0.1)
         finally:
-            kill_tree(proc)  # on timeout, on an interruption of this script, and whatever a finished mpiexec left
+            job.stop()  # on timeout, on an interruption of this script, and whatever a finished mpiexec left
     seconds = time.monotonic() - t0
     results = [_report(reports / f"rank{r}.xml") for r in range(ranks)]
     tail = log.read_text(errors="replace")[-3000:]
@@ -241,8 +212,8 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
         return Outcome(name, ranks, "failed", seconds, "; ".join(failures)[:600])
     if timed_out:
         return Outcome(name, ranks, "hung", seconds, f"killed after {limit:.0f} s")
-    if any(res is None for res in results) or proc.returncode != 0:
-        return Outcome(name, ranks, "failed", seconds, f"exit code {proc.returncode}, no report from every rank; "
+    if any(res is None for res in results) or job.poll() != 0:
+        return Outcome(name, ranks, "failed", seconds, f"exit code {job.poll()}, no report from every rank; "
                                                          f"output ends: {tail[-600:]}")
     statuses = {res[0] for res in results if res}
     if statuses == {"skipped"}:
@@ -276,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
         rank_counts = [int(r) for r in args.ranks.split(",")]
     except ValueError:
         parser.error(f"--ranks: expected comma-separated ints, got {args.ranks!r}")
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only launches the jobs: no MPI here
+    sys.path.insert(0, str(ROOT))
+    from mpi_gradreducer.launch import find_mpiexec
+
+    mpiexec = find_mpiexec()
     if mpiexec is None:
         parser.error("no mpiexec found (next to this Python or on PATH)")
     folder = Path(tempfile.mkdtemp(prefix="horovod-suite-"))

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -159,6 +158,7 @@ def main() -> None:
     import mpi4py
 
     mpi4py.rc.initialize = mpi4py.rc.finalize = False  # this process only launches the jobs
+    from mpi_gradreducer import jobs
     from mpi_gradreducer.launch import Launcher
 
     launcher = Launcher.find()
@@ -166,10 +166,8 @@ def main() -> None:
     for path in args.paths.split(","):
         cmd = launcher.command([sys.executable, "-m", "mpi4py", __file__, "--path", path, "--calls", str(args.calls),
                                 "--warmup", str(args.warmup)], ranks=args.ranks, oversubscribe=True)
-        try:
-            done = subprocess.run(cmd, env=launcher.environment(), capture_output=True, text=True,
-                                  timeout=args.limit)
-        except subprocess.TimeoutExpired:
+        done = jobs.run(cmd, env=launcher.environment(), timeout=args.limit)
+        if done.timed_out:
             print(f"path {path} | did not finish within {args.limit:g} s", flush=True)
             failed += 1
             continue

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from itertools import count
 from pathlib import Path
+
+from mpi_gradreducer import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "cluster.py"
@@ -59,31 +59,22 @@ def job_env(tag: str) -> dict[str, str]:
     return env
 
 
-def cli(name: str, *args: str, tag: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """``cluster.py --name NAME ARGS`` to its end, its processes marked with ``tag``."""
-    return subprocess.run([sys.executable, str(CLUSTER), "--name", name, *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, env=job_env(tag))
+def cli(name: str, *args: str, tag: str, timeout: float = 120) -> jobs.Finished:
+    """``cluster.py --name NAME ARGS`` to its end, its processes marked with ``tag``.
 
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return "?"
+    Raises:
+        AssertionError: it ran past ``timeout`` seconds (then it was ended: SIGTERM, on which
+            ``cluster.py`` takes down what it made for a ``run --hosts``, then SIGKILL).
+    """
+    done = jobs.run([sys.executable, str(CLUSTER), "--name", name, *args], timeout=timeout, cwd=ROOT,
+                    env=job_env(tag), grace=30)
+    assert not done.timed_out, f"`cluster.py {' '.join(args)}` ran past {timeout:g} s\n{done.stdout}{done.stderr}"
+    return done
 
 
 def tagged(tag: str) -> dict[int, str]:
     """The live processes marked with ``tag``: pid to command line (a zombie shows no environment)."""
-    needle = f"{TAG}={tag}\0".encode()
-    found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            marked = needle in (entry / "environ").read_bytes()
-        except OSError:
-            continue
-        if marked:
-            found[int(entry.name)] = _cmdline(int(entry.name))
-    return found
+    return jobs.marked(TAG, tag)
 
 
 def describe(procs: dict[int, str]) -> str:
@@ -92,14 +83,7 @@ def describe(procs: dict[int, str]) -> str:
 
 def kill_tagged(tag: str) -> None:
     """SIGKILL every process marked with ``tag``; wait (at most 5 s) until none is left."""
-    deadline = time.monotonic() + 5
-    while (left := tagged(tag)) and time.monotonic() < deadline:
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        time.sleep(0.05)
+    jobs.kill_marked(TAG, tag)
 
 
 def remains(name: str) -> list[str]:
@@ -133,26 +117,20 @@ class HostCluster:
         self.stderr = ""
         #: What ``cluster.py run`` found still running on a host after ``mpiexec`` ended (and killed), every job.
         self.reaped: list[str] = []
-        self.proc: subprocess.Popen | None = None
-        self._reader: threading.Thread | None = None
+        self.job: jobs.Job | None = None
 
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    def cli(self, *args: str, timeout: float = 120) -> jobs.Finished:
         return cli(self.name, *args, tag=self.tag, timeout=timeout)
 
     def start(self, *command: str, ppn: int = 2, ft: bool = False) -> None:
         """Launch ``command`` with ``ppn`` ranks per host (``cluster.py run --timeout LIMIT``; ``--ft`` if ``ft``)."""
         self.timed = []
-        self.proc = subprocess.Popen([sys.executable, str(CLUSTER), "--name", self.name, "run", "--ppn", str(ppn),
-                                      "--timeout", str(LIMIT), *(["--ft"] if ft else []), "--", *command],
-                                     cwd=ROOT, env=job_env(self.tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True)
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self.job = jobs.Job([sys.executable, str(CLUSTER), "--name", self.name, "run", "--ppn", str(ppn),
+                             "--timeout", str(LIMIT), *(["--ft"] if ft else []), "--", *command],
+                            cwd=ROOT, env=job_env(self.tag), on_line=self._arrived)
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.timed.append((time.monotonic(), line.rstrip("\n")))
+    def _arrived(self, line: str) -> None:
+        self.timed.append((time.monotonic(), line.rstrip("\n")))
 
     @property
     def lines(self) -> list[str]:
@@ -166,8 +144,8 @@ class HostCluster:
         """Wait until the job prints ``line``; when it arrived. Fails the test if the job ends first."""
         deadline = time.monotonic() + limit
         while (when := self.arrived(line)) is None:
-            assert self.proc is not None
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            assert self.job is not None
+            if self.job.poll() is not None or time.monotonic() > deadline:
                 self.finish()
                 raise AssertionError(f"never saw {line!r}\n{self.report()}")
             time.sleep(0.01)
@@ -175,18 +153,14 @@ class HostCluster:
 
     def finish(self) -> int:
         """Wait for the job (at most LIMIT + 15 s: past that, kill it and fail); its exit status."""
-        assert self.proc is not None and self.proc.stderr is not None
-        try:
-            self.proc.wait(timeout=LIMIT + 15)
-        except subprocess.TimeoutExpired:
+        assert self.job is not None
+        done = self.job.finish(LIMIT + 15)
+        self.stderr = done.stderr
+        if done.timed_out:
             kill_tagged(self.tag)
-            self.proc.wait()
-            raise AssertionError(f"the harness did not end the job within its --timeout\n{self.report()}") from None
-        self.stderr = self.proc.stderr.read()
+            raise AssertionError(f"the harness did not end the job within its --timeout\n{self.report()}")
         self.reaped += re.findall(r"^cluster: host \d+ still ran .*$", self.stderr, re.M)
-        if self._reader is not None:
-            self._reader.join(timeout=10)  # the last lines
-        return self.proc.returncode
+        return done.returncode
 
     def report(self) -> str:
         return "--- stdout ---\n" + "\n".join(self.lines) + f"\n--- stderr ---\n{self.stderr}"
@@ -231,9 +205,9 @@ class HostCluster:
             went down.
         """
         problems = [f"processes outlived their job: {line}" for line in self.reaped]
-        if self.proc is not None and self.proc.poll() is None:
+        if self.job is not None and self.job.poll() is None:
             kill_tagged(self.tag)
-            self.proc.wait()
+            self.job.stop()
         elif left := self.processes():
             problems.append(f"processes outlived their job: {describe(left)}")
         kill_tagged(self.tag)

@@ -16,8 +16,6 @@ import functools
 import importlib.util
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -31,6 +29,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from mpi_gradreducer import jobs
 from mpi_gradreducer.launch import Launcher, find_mpiexec
 
 WORLD = MPI.COMM_WORLD
@@ -269,9 +268,10 @@ def run_job(script: str, *args: str, ranks: int = 4, runner: bool = True, module
     its own, with none of this process's :data:`JOB_STRIPPED` variables, one
     OpenMP thread per rank and the repository on ``PYTHONPATH``; ``env`` adds
     to that. Every process of the job carries :data:`JOB_MARK` in its
-    environment. Past ``limit`` seconds, the whole job (its process group,
-    every process below ``mpiexec`` and every marked process, in whatever
-    session the launcher put it) is killed and the test fails; it also fails
+    environment. Past ``limit`` seconds, the whole job is ended (its process
+    group and every process below ``mpiexec``: :func:`mpi_gradreducer.jobs.run`),
+    every marked process, in whatever session the launcher put it, is killed,
+    and the test fails; it also fails
     when any process of the job outlives ``mpiexec`` (named, then killed), or
     survives the kill. Skipped, on every rank alike, where there is no
     ``mpiexec`` or pytest itself runs on several ranks.
@@ -306,27 +306,19 @@ def run_job(script: str, *args: str, ranks: int = 4, runner: bool = True, module
     job_env.update(env or {})
     job_env = launcher.environment(job_env)
     job_env[JOB_MARK] = mark
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=job_env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, errors="replace", start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        survivors = kill_job(proc.pid, mark)
-        try:
-            stdout, stderr = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:  # a survivor holds the pipes
-            stdout, stderr = "(not collected)", "(not collected)"
+    done = jobs.run(cmd, timeout=limit, cwd=ROOT, env=job_env)
+    if done.timed_out:
+        survivors = kill_marked(mark)
         pytest.fail(f"the job did not end within {limit:g} s and was killed: {' '.join(cmd)}"
                     + (f"\nprocesses that survived SIGKILL: {describe(survivors)}" if survivors else "")
-                    + f"\n--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
-    job = Job(proc.returncode, stdout, stderr, time.monotonic() - start, cmd)
+                    + f"\n--- stdout ---\n{done.stdout}\n--- stderr ---\n{done.stderr}")
+    job = Job(done.returncode, done.stdout, done.stderr, done.seconds, cmd)
     deadline = time.monotonic() + 5
     while marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = marked(mark)
     if left:
-        survivors = kill_job(proc.pid, mark)
+        survivors = kill_marked(mark)
         pytest.fail(f"processes of the job outlived mpiexec: {describe(left)}"
                     + (f"; these survived SIGKILL: {describe(survivors)}" if survivors else "") + f"\n{job}")
     return job
@@ -334,58 +326,20 @@ def run_job(script: str, *args: str, ranks: int = 4, runner: bool = True, module
 
 def marked(mark: str) -> dict[int, str]:
     """Live processes whose environment holds ``JOB_MARK=mark``: pid to command line (Linux; elsewhere none)."""
-    needle = f"{JOB_MARK}={mark}".encode()
-    found = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0"):
-                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(
-                    errors="replace").strip()
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
+    return jobs.marked(JOB_MARK, mark)
 
 
 def describe(procs: dict[int, str]) -> str:
     return "; ".join(f"pid {pid}: {cmd[:100]}" for pid, cmd in sorted(procs.items()))
 
 
-def _descendants(root: int) -> list[int]:
-    """Processes below ``root`` in the process tree (Linux; elsewhere none)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = [], [root]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            found.append(pid)
-            todo.append(pid)
-    return found
-
-
-def kill_job(pid: int, mark: str) -> dict[int, str]:
-    """SIGKILL a job: ``mpiexec``'s process group, every process below it and every marked one.
+def kill_marked(mark: str) -> dict[int, str]:
+    """SIGKILL every process marked with ``mark`` (those that left the job's group and tree included).
 
     Returns:
         The marked processes still alive 5 s later (pid to command line): none, unless a kill failed.
     """
-    for target in {*_descendants(pid), *marked(mark)}:
-        try:
-            os.kill(target, signal.SIGKILL)
-        except OSError:
-            pass
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except OSError:
-        pass
-    deadline = time.monotonic() + 5
-    while marked(mark) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return marked(mark)
+    return jobs.kill_marked(JOB_MARK, mark)
 
 
 def cluster_unavailable() -> str | None:
@@ -396,8 +350,10 @@ def cluster_unavailable() -> str | None:
     if WORLD.Get_size() > 1:
         return "launches its own MPI jobs: run from a single process"
     script = Path(__file__).resolve().parents[1] / "scripts" / "cluster.py"
-    proc = subprocess.run([sys.executable, str(script), "check"], capture_output=True, text=True, timeout=60)
-    return None if proc.returncode == 0 else f"no cluster of network namespaces here: {proc.stderr.strip()}"
+    done = jobs.run([sys.executable, str(script), "check"], timeout=60)
+    if done.timed_out:
+        return "no cluster of network namespaces here: `cluster.py check` ran past 60 s"
+    return None if done.returncode == 0 else f"no cluster of network namespaces here: {done.stderr.strip()}"
 
 
 def _cupy_devices() -> int:

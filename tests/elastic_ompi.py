@@ -5,19 +5,20 @@ test can kill its ranks while it runs. Its command line is the package's
 launcher's (:mod:`mpi_gradreducer.launch`) for the Open MPI venv's
 ``mpiexec`` (``.venv-ompi`` at the repository's root, or
 ``MPI_GRADREDUCER_OMPI_VENV``) with fault tolerance, as root where needed,
-oversubscribed, with TCP on loopback only. Its whole process tree is killed
-on timeout.
+oversubscribed, with TCP on loopback only. It runs as a
+:class:`mpi_gradreducer.jobs.Job`: its whole process tree is ended on
+timeout, and on the way out of a ``with`` block.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+from mpi_gradreducer import jobs
 from mpi_gradreducer.launch import Launcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,34 +72,29 @@ class OmpiJob:
         command = launcher.command([str(venv / "bin" / "python"), str(ROOT / script), *args], ranks=ranks,
                                    oversubscribe=True, fault_tolerance=ft, env=variables)
         self.command = command
-        self.proc = subprocess.Popen(command, cwd=ROOT, env=environ, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.job = jobs.Job(command, cwd=ROOT, env=environ, stderr=jobs.STDOUT)
         self.output = ""
 
     def wait(self, limit: float) -> int:
-        """Wait for the end (at most ``limit`` s; then kill the whole tree and fail); returns the exit status."""
-        try:
-            self.output, _ = self.proc.communicate(timeout=limit)
-        except subprocess.TimeoutExpired:
-            self.kill_all()
-            self.output, _ = self.proc.communicate()
-            raise AssertionError(f"the job did not end within {limit} s:\n{self.output[-6000:]}") from None
-        return self.proc.returncode
+        """Wait for the end (at most ``limit`` s; then end the whole tree and fail); returns the exit status."""
+        done = self.job.finish(limit)
+        self.output = done.stdout
+        if done.timed_out:
+            raise AssertionError(f"the job did not end within {limit} s:\n{self.output[-6000:]}")
+        return done.returncode
 
-    def kill_all(self) -> None:
-        """SIGKILL the launcher's whole process group (every rank it started)."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    def ended(self) -> str | None:
+        """The output of a job that is over (the end of what it wrote), or None while it runs."""
+        if self.job.poll() is None:
+            return None
+        self.output = self.job.finish(10).stdout
+        return self.output
 
     def __enter__(self) -> OmpiJob:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            self.kill_all()
-            self.proc.communicate()
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.job.__exit__(kind, *rest)
 
 
 def wait_for(predicate, limit: float, what: str, job: OmpiJob | None = None, every: float = 0.005):  # type: ignore[no-untyped-def]
@@ -108,9 +104,8 @@ def wait_for(predicate, limit: float, what: str, job: OmpiJob | None = None, eve
         value = predicate()
         if value:
             return value
-        if job is not None and job.proc.poll() is not None:
-            out, _ = job.proc.communicate()
-            raise AssertionError(f"the job ended ({job.proc.returncode}) before {what}:\n{out[-6000:]}")
+        if job is not None and (out := job.ended()) is not None:
+            raise AssertionError(f"the job ended ({job.job.poll()}) before {what}:\n{out[-6000:]}")
         time.sleep(every)
     raise AssertionError(f"timed out after {limit} s waiting for {what}")
 

@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,19 @@ def test_benchmark_result(tmp_path: Path):
 def test_summary_line(rc, word):
     assert dc.summary_line("step", rc, "why") == f"{'step':<36} {word} - why"
     assert dc.summary_line("step", rc) == f"{'step':<36} {word}"
+
+
+def test_limited_passes_the_status_through_and_ends_a_command_at_its_limit():
+    assert dc.limited(["sh", "-c", "echo a; echo b >&2; exit 3"], 20, capture=True) == (3, "a\nb\n")
+    start = time.monotonic()
+    assert dc.limited(["sh", "-c", "sleep 30"], 1, capture=True) == (124, "")
+    assert time.monotonic() - start < 6
+
+
+def test_the_mpiexec_of_this_python_is_a_candidate(tmp_path: Path):
+    from mpi_gradreducer.launch import find_mpiexec
+
+    check = dc.Check()
+    check.py, check.site = sys.executable, str(tmp_path)  # nothing installed from wheels there
+    expected = find_mpiexec(sys.executable)
+    assert dc.mpiexec_candidates(check)[:1] == ([expected] if expected else [])

@@ -11,7 +11,6 @@ the last step it had committed); the survivors named the lost ranks.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 from clusters import ROOT, HostCluster
 from conftest import cluster_unavailable
 from elastic_ompi import OmpiJob, kill, wait_for, why_not_here
+from mpi_gradreducer import jobs
 
 pytestmark = pytest.mark.slow
 JOB = "tests/jobs/elastic_train.py"
@@ -286,9 +286,9 @@ def test_mpich_says_once_that_a_loss_ends_the_job(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([mpiexec, "-n", "2", sys.executable, str(root / JOB), "--out", str(out), "--steps", "5"],
-                          cwd=root, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = jobs.run([mpiexec, "-n", "2", sys.executable, str(root / JOB), "--out", str(out), "--steps", "5"],
+                    cwd=root, timeout=120)
+    assert done.returncode == 0 and not done.timed_out, done.stderr[-3000:]
     assert done.stderr.count("a lost rank will end this job") == 1, done.stderr
     assert "--with-ft ulfm" in done.stderr
     assert len(list(out.glob("final.*.npy"))) == 2

@@ -11,7 +11,8 @@ lost (or go on with the right weights, after a step that stalled through
 the outage). Every process a test starts is found by a mark in its
 environment (:mod:`clusters`), while the job runs, after it ended, and after
 the cluster is down: none may be left, nor found and killed by
-``cluster.py run`` after ``mpiexec`` ended. The harness's own errors (not root, a
+``cluster.py run`` after ``mpiexec`` ended; ``cluster.py down`` must itself end
+a process left on a host. The harness's own errors (not root, a
 bad host count or rate, a failing command, a counter it cannot read, an
 interruption) are tested here too: each says what is wrong and leaves
 nothing behind.
@@ -38,8 +39,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from clusters import CLUSTER, ROOT, HostCluster, cli, job_env, leftovers, new_name, new_tag, tagged
+from clusters import CLUSTER, ROOT, HostCluster, cli, job_env, kill_tagged, leftovers, new_name, new_tag, tagged
 from conftest import cluster_unavailable, job_launcher
+from mpi_gradreducer import jobs
 
 TRAIN = ROOT / "tests" / "jobs" / "train.py"
 #: The reducer's timeout in the jobs whose link is cut for good.
@@ -332,43 +334,62 @@ def test_a_failing_command_returns_its_status_and_leaves_nothing():
     assert not leftovers(name, tag), leftovers(name, tag)
 
 
-def _run_sleepers(name: str, tag: str, *args: str) -> subprocess.Popen:
+def _run_sleepers(name: str, tag: str, *args: str) -> jobs.Job:
     """``cluster.py run --hosts 2 ARGS -- sleep 60``, once a ``sleep`` runs on each host."""
-    proc = subprocess.Popen([sys.executable, str(CLUSTER), "--name", name, "run", "--hosts", "2", *args, "--",
-                             "sleep", "60"], cwd=ROOT, env=job_env(tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    job = jobs.Job([sys.executable, str(CLUSTER), "--name", name, "run", "--hosts", "2", *args, "--", "sleep", "60"],
+                   cwd=ROOT, env=job_env(tag))
     deadline = time.monotonic() + 20
     while sum(cmd == "sleep 60" for cmd in tagged(tag).values()) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, f"no sleep on each host: {tagged(tag)}"
+        if time.monotonic() > deadline or job.poll() is not None:
+            job.stop()
+            raise AssertionError(f"no sleep on each host: {tagged(tag)}\n{job.stderr}")
         time.sleep(0.05)
-    return proc
+    return job
 
 
 def test_a_job_past_its_timeout_is_killed_and_nothing_left():
     name, tag = new_name("y"), new_tag()
     start = time.monotonic()
-    proc = _run_sleepers(name, tag, "--timeout", "3")
-    try:
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 124 and time.monotonic() - start < 15, err
-    assert "the job ran past --timeout 3 s; killing it" in err, err
+    with _run_sleepers(name, tag, "--timeout", "3") as job:
+        done = job.finish(30)
+    assert done.returncode == 124 and not done.timed_out and time.monotonic() - start < 15, done
+    assert "the job ran past --timeout 3 s; killing it" in done.stderr, done
     assert not leftovers(name, tag), leftovers(name, tag)
 
 
 def test_an_interrupted_run_takes_the_cluster_down():
     name, tag = new_name("y"), new_tag()
-    proc = _run_sleepers(name, tag)
-    try:
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 130 and "interrupted" in err, err
+    with _run_sleepers(name, tag) as job:
+        job.process.send_signal(signal.SIGTERM)  # to cluster.py alone: it must end its job itself
+        done = job.finish(30)
+    assert done.returncode == 130 and not done.timed_out and "interrupted" in done.stderr, done
     assert not leftovers(name, tag), leftovers(name, tag)
 
+
+def test_down_ends_a_process_left_on_a_host():
+    """``cluster.py down`` itself must end what still runs on a host (every other test's processes are gone
+    before it runs): a process left in host 2's namespace, in a session of its own as a daemon would be, is
+    named and killed by ``down``, which then removes the namespaces, interfaces and bridge."""
+    name, tag = new_name("d"), new_tag()
+    try:
+        made = cli(name, "up", "--hosts", "2", tag=tag)
+        assert made.returncode == 0, made
+        left = cli(name, "exec", "2", "--", "sh", "-c", "setsid -f sleep 300 </dev/null >/dev/null 2>&1", tag=tag)
+        assert left.returncode == 0, left
+        host2 = os.stat(f"/run/netns/{name}-h2").st_ino
+        deadline = time.monotonic() + 10
+        while not (sleeper := [pid for pid, cmd in tagged(tag).items() if cmd == "sleep 300"]):
+            assert time.monotonic() < deadline, f"no sleep left on host 2: {tagged(tag)}"
+            time.sleep(0.05)
+        assert len(sleeper) == 1 and os.stat(f"/proc/{sleeper[0]}/ns/net").st_ino == host2, tagged(tag)
+        down = cli(name, "down", tag=tag)
+        assert down.returncode == 0, down
+        assert f"cluster {name}: host 2: killed 1 processes: {sleeper[0]} sleep 300" in down.stderr, down
+        deadline = time.monotonic() + 2
+        while tagged(tag) and time.monotonic() < deadline:  # SIGKILL sent: it goes at once
+            time.sleep(0.05)
+        assert not leftovers(name, tag), leftovers(name, tag)
+    finally:
+        kill_tagged(tag)
+        if leftovers(name, tag):
+            cli(name, "down", tag=tag)
