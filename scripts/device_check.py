@@ -520,15 +520,15 @@ def tests_step(c: Check) -> list[str]:
 
 def bench_step(c: Check) -> list[str]:
     """Step 4; returns the JSON files the benchmark writes."""
-    runs = [("4a", "bench_gpu resnet50", "bench_gpu.json", "resnet50", 70, 30),
-            ("4b", "bench_gpu many-small", "bench_gpu_many_small.json", "many-small", 40, 10)]
+    runs = [("4a", "bench gpu resnet50", "bench_gpu.json", "resnet50", 70, 30),
+            ("4b", "bench gpu many-small", "bench_gpu_many_small.json", "many-small", 40, 10)]
     for label, name, file, workload, want, reserve in runs:
-        step(f"{label}. bench_gpu {workload} ({c.np} ranks)")
+        step(f"{label}. bench gpu {workload} ({c.np} ranks)")
         path = os.path.join(c.out, file)
         if not c.mpiexec:
             c.record(name, "notrun", "no mpiexec forms one job")
             continue
-        rc, _ = c.timed(want, reserve, [c.mpiexec, "-n", str(c.np), c.py, "-m", "mpi_gradreducer.bench_gpu",
+        rc, _ = c.timed(want, reserve, [c.mpiexec, "-n", str(c.np), c.py, "-m", "mpi_gradreducer.bench", "gpu",
                                         "--workload", workload, "--reps", "5", "--json", path])
         ok, note = bench_result(path, workload)
         if rc == 0 and ok:

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORE = ROOT / "mpi_gradreducer" / "_core"
 #: What ``_core`` may import from the package: itself only.
 ABOVE = ("mpi_gradreducer.reducer", "mpi_gradreducer.torch", "mpi_gradreducer.horovod", "mpi_gradreducer.elastic",
-         "mpi_gradreducer.bench", "mpi_gradreducer.launch", "mpi_gradreducer.info")
+         "mpi_gradreducer.bench", "mpi_gradreducer.launch", "mpi_gradreducer.info", "mpi_gradreducer.jobs")
 
 
 def _imports(path: Path) -> list[str]:
