@@ -16,11 +16,24 @@
   step completed after the recovery (their next commit), median of 3 runs.
 - ``replacement``: as ``recovery`` with room for 4 in a host file; the
   seconds from the kill to the new rank's first completed step.
+- ``chaos [--periods 15,60] [--seconds 120]``: Open MPI with ULFM, room for 4
+  ranks in a host file, a commit every step (``tests/jobs/elastic_train.py``,
+  20 ms of compute a step); the same number of steps undisturbed, then with a
+  random live process SIGKILLed every period while replacements join. Prints,
+  for each period, the training efficiency as torchft reports it (the
+  undisturbed run's time for those steps over the disturbed run's), the
+  committed steps lost per failure (0 when each resumes from its last
+  commit), and the median recovery (kill to the survivors' next completed
+  step) and rejoin (kill to a replacement's first completed step) times. It
+  checks what the tests check: exit status 0, every finishing process at the
+  last step with bit-identical parameters, no rank process left running.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import random
 import shutil
 import signal
 import statistics
@@ -116,7 +129,7 @@ def _step_job() -> None:
     reducer.free()
 
 
-def _ompi_job(out: Path, env: dict[str, str]) -> jobs.Job:
+def _ompi_job(out: Path, env: dict[str, str], steps: int = 150) -> jobs.Job:
     venv = Path(os.environ.get("MPI_GRADREDUCER_OMPI_VENV", ROOT / ".venv-ompi"))
     launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
     variables = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
@@ -124,7 +137,7 @@ def _ompi_job(out: Path, env: dict[str, str]) -> jobs.Job:
     environ.update(variables)
     environ["OMPI_MCA_btl_tcp_if_include"] = "lo"  # the job's TCP stays on the loopback
     command = launcher.command([str(venv / "bin" / "python"), str(ROOT / "tests" / "jobs" / "elastic_train.py"),
-                                "--out", str(out), "--steps", "150"], ranks=4, oversubscribe=True,
+                                "--out", str(out), "--steps", str(steps)], ranks=4, oversubscribe=True,
                                fault_tolerance=True, env=variables)
     return jobs.Job(command, env=environ, stderr=jobs.STDOUT)
 
@@ -173,9 +186,140 @@ def bench_recovery(replace: bool = False) -> None:
           "Open MPI with --with-ft ulfm, a commit every step)")
 
 
+class ChaosError(RuntimeError):
+    """A chaos run that did not end as it must (a failed exit, differing parameters, a process left)."""
+
+
+def _events(out: Path) -> dict[int, list[list[str]]]:
+    """Each process's log, as lists of words, by process id."""
+    return {int(p.name.split(".")[1]): [line.split() for line in p.read_text().splitlines() if line.strip()]
+            for p in out.glob("log.*")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def chaos_run(steps: int, period: float | None, seed: int = 0, limit: float = 1800, keep: Path | None = None,
+              most: int | None = None) -> dict[str, object]:
+    """One run of ``steps`` steps at 4 ranks with room for 4, a random live process killed every ``period`` s.
+
+    ``keep``: a folder to copy the job's files and output into (to look at a failure); ``most``: at most
+    this many kills.
+
+    Returns:
+        ``seconds`` (from the first commit to the last step's), ``kills`` (their times), ``lost`` (committed
+        steps lost per kill), ``recovery`` and ``rejoin`` (seconds per kill, where seen), ``status``
+        (mpiexec's exit status) and ``finished`` (the processes that reached the last step).
+
+    Raises:
+        ChaosError: no process finished, or they ended with differing parameters or short of the last
+            step, or a rank process was left running.
+    """
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        try:
+            return _chaos(out, steps, period, rng, limit, most)
+        finally:
+            if keep is not None:
+                shutil.copytree(out, keep, dirs_exist_ok=True)
+
+
+def _chaos(out: Path, steps: int, period: float | None, rng: random.Random, limit: float,
+           most: int | None) -> dict[str, object]:
+    """The run of :func:`chaos_run` in ``out``."""
+    (out / "hosts").write_text("localhost:4\n")
+    kills: list[float] = []
+    with _ompi_job(out, {"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(out / "hosts")}, steps) as job:
+        deadline = time.monotonic() + limit
+        started: float | None = None
+        while job.poll() is None:
+            if time.monotonic() > deadline:
+                raise ChaosError(f"the job did not end within {limit} s:\n{job.finish(5).stdout[-3000:]}")
+            if started is None and any(p.read_text().startswith("commit") for p in out.glob("log.*")):
+                started = time.monotonic()
+            if period and started is not None and time.monotonic() - started >= period * (len(kills) + 1) \
+                    and (most is None or len(kills) < most):
+                pids = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
+                live = [pid for pid in pids if _alive(pid) and not (out / f"final.{pid}.txt").exists()]
+                if live:
+                    kills.append(time.time())
+                    os.kill(rng.choice(live), signal.SIGKILL)
+            time.sleep(0.01)
+        done = job.finish(60)
+    (out / "output").write_text(done.stdout)
+    pids = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
+    left = [pid for pid in pids if _alive(pid)]
+    if left:
+        raise ChaosError(f"rank processes left running after the job: {left}")
+    finals = sorted(out.glob("final.*.npy"))
+    if not finals:
+        raise ChaosError(f"no process finished (exit status {done.returncode}):\n{done.stdout[-4000:]}")
+    import numpy as np
+
+    first = np.load(finals[0]).view(np.uint32)
+    if any(not np.array_equal(np.load(f).view(np.uint32), first) for f in finals[1:]):
+        raise ChaosError("the finishing processes' parameters differ")
+    ends = [int((out / f"final.{f.name.split('.')[1]}.txt").read_text().split()[0]) for f in finals]
+    if set(ends) != {steps}:
+        raise ChaosError(f"the finishing processes ended at steps {ends}, not {steps}")
+    events = _events(out)
+    commits = sorted((float(w[2]), int(w[1]), pid) for pid, ws in events.items() for w in ws if w[0] == "commit")
+    news = {pid for pid in events if (out / f"pid.new.{pid}").exists()}
+    lost, recovery, rejoin = [], [], []
+    for k in kills:
+        resumes = [(float(w[3]), int(w[1]), pid) for pid, ws in events.items() for w in ws
+                   if w[0] == "resume" and float(w[3]) > k and pid not in news]
+        if resumes:
+            when, step, pid = min(resumes)  # the first survivor to go on: what it had committed before the kill
+            before = max((s for t, s, p in commits if p == pid and t < k), default=0)
+            lost.append(max(0, before - step))
+            nxt = [t for t, _, p in commits if p == pid and t > when]
+            if nxt:
+                recovery.append(min(nxt) - k)
+        joined = [t for t, _, p in commits if p in news and t > k]
+        if joined:
+            rejoin.append(min(joined) - k)
+    # mpiexec's own status is reported, not judged: Open MPI 5.0.11's prterun exits with a SIGKILLed
+    # replacement's 137 although every rank finished
+    return {"seconds": commits[-1][0] - commits[0][0], "kills": kills, "lost": lost, "recovery": recovery,
+            "rejoin": rejoin, "status": done.returncode, "finished": len(finals)}
+
+
+def bench_chaos(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_elastic.py chaos")
+    parser.add_argument("--periods", default="15,60", help="seconds between kills, comma-separated")
+    parser.add_argument("--seconds", type=float, default=120.0, help="the undisturbed run's length, about")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    probe = chaos_run(200, None)
+    rate = 199 / probe["seconds"]  # type: ignore[operator]
+    steps = max(200, int(rate * args.seconds))
+    for period in (float(p) for p in args.periods.split(",")):
+        calm = chaos_run(steps, None)["seconds"]
+        run = chaos_run(steps, period, args.seed)
+        kills, lost = run["kills"], run["lost"]
+        assert isinstance(kills, list) and isinstance(lost, list)
+        recovery, rejoin = run["recovery"], run["rejoin"]
+        assert isinstance(recovery, list) and isinstance(rejoin, list)
+        print(f"chaos, a kill every {period:g} s: efficiency {calm / run['seconds']:.1%} ({steps} steps: "  # type: ignore[operator]
+              f"{calm:.1f} s undisturbed, {run['seconds']:.1f} s with {len(kills)} kills); committed steps lost "
+              f"per failure {statistics.mean(lost) if lost else 0:.2f}; recovery "
+              f"{statistics.median(recovery) if recovery else float('nan'):.2f} s, rejoin "
+              f"{statistics.median(rejoin) if rejoin else float('nan'):.2f} s (medians; 4 ranks with room for 4, "
+              "Open MPI with --with-ft ulfm, a commit every step)", flush=True)
+
+
 def main() -> None:
     if sys.argv[1:] == ["_step"]:
         _step_job()
+        return
+    if sys.argv[1:2] == ["chaos"]:
+        bench_chaos(sys.argv[2:])
         return
     which = sys.argv[1:] or ["commit", "step", "recovery", "replacement"]
     for name in which:

@@ -7,16 +7,20 @@ the window): in the rebuild of the reducer, and in the state's broadcast, as
 its root and as a receiver. In every case the job exits 0, the two ranks
 left end with bit-identical parameters at the last step, no committed step
 is lost, and the survivors named both losses (the second in the numbering
-of the communicator of the moment).
+of the communicator of the moment). Then chaos: a random live process
+killed every few seconds while replacements join (``scripts/bench_elastic.py
+chaos``, shorter).
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from clusters import ROOT
 from elastic_ompi import kill, wait_for
 from test_elastic import check, committed, needs_ompi, phase, pid_of, start
 
@@ -42,3 +46,18 @@ def test_a_second_loss_inside_the_recovery(tmp_path: Path, window: str, option: 
         kill(victim)
         check(out, job, 40, 2, [])
         assert "lost rank 1 of 4" in job.output and named in job.output, job.output[-3000:]
+
+
+@needs_ompi
+def test_chaos_a_random_process_killed_every_few_seconds_while_replacements_join(tmp_path: Path) -> None:
+    """Room for 4; every 8 s a random live process (a replacement too) is SIGKILLed from outside, 3 times: the job
+    reaches its last step with bit-identical parameters everywhere, no committed step lost, nothing left."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_elastic import chaos_run
+
+    run = chaos_run(600, 8.0, seed=3, limit=300, keep=tmp_path / "job", most=3)
+    kills, lost, rejoin = run["kills"], run["lost"], run["rejoin"]
+    assert isinstance(kills, list) and isinstance(lost, list) and isinstance(rejoin, list)
+    assert len(kills) >= 2, f"the job ended after {len(kills)} kills: too short to test anything"
+    assert lost and not any(lost), f"committed steps lost per failure: {lost}"
+    assert rejoin, "no replacement completed a step"

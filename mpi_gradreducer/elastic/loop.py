@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -13,7 +15,7 @@ from . import _ulfm
 from .discovery import Discovery
 from .errors import HostsUpdated, RanksLost
 from .state import State
-from .world import Settings, World
+from .world import JoinFailed, Settings, World
 
 __all__ = ["run"]
 
@@ -75,7 +77,19 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
         return why is None and (faults.failure_of(exc) is not None or isinstance(exc, RanksLost)
                                 or (failure is not None and failure(exc)) or _ulfm.failed_meanwhile(exc, world.comm))
 
-    reset = world.join_if_new()
+    try:
+        reset = world.join_if_new()
+    except JoinFailed as exc:  # never one of the ranks: this process ends as a lost process does
+        _say(f"mpi_gradreducer.elastic: {exc}; this process ends, the running ranks go on")
+        # Under Open MPI 5.0.11 every other way out ends the whole job: an exit without MPI_Finalize, or with a
+        # failed status, and MPI_Finalize itself crashes after a failed merge. A process killed by a signal is a
+        # lost process, which fault tolerance survives: the running ranks go on without it.
+        os.kill(os.getpid(), signal.SIGKILL)
+    except BaseException as exc:  # joined, then a rank was lost in the rebuild: recover like the others
+        if not lost(exc):
+            raise
+        _recover(state, world, exc, lost)
+        reset = True
     sync = True
     while True:
         try:

@@ -32,7 +32,7 @@ from .discovery import Discovery, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
-__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "Settings", "World"]
+__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World"]
 
 MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
 MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
@@ -45,6 +45,10 @@ MAX_FAILED_SPAWNS = 3
 FINALIZE_SECONDS = 10.0
 #: How often rank 0 looks at the discovery script or host file while training.
 LOOK_EVERY = 1.0
+
+
+class JoinFailed(ElasticError):
+    """A new process's merge with the running ranks failed (one was lost meanwhile): it never became a rank."""
 
 
 class Settings:
@@ -145,8 +149,12 @@ class World:
         self._joined = True
         self._guard_exit()
         _ulfm.returning(parent)
-        merged = parent.Merge(high=True)
-        parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
+        try:  # until the merged communicator is this world's, a failure leaves this process out: never train alone
+            merged = parent.Merge(high=True)
+            parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
+        except MPI.Exception as exc:
+            raise JoinFailed(f"this new process could not join the running ranks ({exc.Get_error_string()})") \
+                from exc
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
         self.rebuild()
         return True
