@@ -7,7 +7,7 @@ trains; started by a launcher the MPI library understands, every rank trains.
 ``reducer`` (the first ``DistributedGradReducer``), ``hvd`` (``hvd.init``) or
 ``torch`` (``mpi_gradreducer.torch.init_gloo``, the ``torch.distributed`` process group). Output lines::
 
-    probe RANK of SIZE | task TASK                # started, TASK: the launcher's task id, if any
+    probe RANK of SIZE | task TASK | host HOST    # started; TASK: the launcher's task id, if any
     trained RANK of SIZE | mean M                 # trained: M is the mean of the ranks, on every rank
     singleton error RANK | MESSAGE                # the error (printed, then exit status 3)
 """
@@ -30,9 +30,9 @@ def main() -> int:
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    task = next((os.environ[v] for v in ("SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+    task = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID")
                  if v in os.environ), "-")
-    print(f"probe {rank} of {size} | task {task}", flush=True)
+    print(f"probe {rank} of {size} | task {task} | host {MPI.Get_processor_name()}", flush=True)
     grads = [np.full(3, float(rank), np.float32)]
     try:
         if args.via == "check":
