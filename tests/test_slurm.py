@@ -65,9 +65,9 @@ def _why_not_here() -> str | None:
 def _venvs() -> dict[str, Path]:
     """The venvs of each MPI at hand: this Python's, and Open MPI's (``.venv-ompi`` or its variable)."""
     found = {}
-    for venv in (Path(sys.executable).parent.parent, ompi_venv()):
+    for venv in (Path(sys.executable).parent.parent.absolute(), ompi_venv()):
         if venv is not None and (venv / "bin" / "mpiexec").exists():
-            found[Launcher.detect(str(venv / "bin" / "mpiexec")).vendor] = venv
+            found[Launcher.detect(str(venv / "bin" / "mpiexec")).vendor] = venv.absolute()
     return found
 
 
