@@ -188,7 +188,8 @@ def check_not_singleton(environ: Mapping[str, str] | None = None) -> None:
         environ: the environment to read (default ``os.environ``).
 
     Raises:
-        RuntimeError: the job is one of singletons (see :func:`singleton_problem`).
+        RuntimeError: the job is one of singletons: the message names the launcher's variables seen, the
+            MPI library loaded and the fix.
     """
     from mpi4py import MPI
 
