@@ -20,12 +20,14 @@
 # across hosts as under MPICH (2 hosts x 2 ranks).
 #
 # Slurm (as root, Debian's slurmd, slurmctld, slurm-client, munge and
-# libpmix-dev installed here with apt-get where missing): a Slurm cluster of 2
+# libpmix-dev installed here with apt-get where missing): a Slurm cluster of 3
 # namespace hosts (scripts/cluster.py up --slurm), to which
 # tests/test_slurm.py submits jobs as users do: sbatch with the mpiexec of
-# MPICH's venv and of Open MPI's inside the allocation (one world of 4 across
-# both hosts; the seed example), srun with each MPI's PMI plugin, and srun
-# with one the MPI cannot use (every task stops with the singleton error).
+# MPICH's venv and of Open MPI's inside a 2-node allocation (one world of 4
+# across both hosts; the seed example), srun with each MPI's PMI plugin, srun
+# with one the MPI cannot use (every task stops with the singleton error), and
+# elastic mode (Open MPI's mpiexec --with-ft ulfm in a 3-node allocation: a
+# node's ranks killed, replacements started on the free node). About a minute.
 #
 # Intel MPI (the [impi] extra) is not run by default, to keep the suite
 # within its 40-minute budget on a 2-core machine: a third venv (torch
@@ -93,10 +95,10 @@ hosts() {
     echo "skipped: $why"
   fi
 }
-# slurm: Debian's Slurm (installed where missing), then tests/test_slurm.py on a Slurm cluster of 2 namespace hosts
+# slurm: Debian's Slurm (installed where missing), then tests/test_slurm.py on a Slurm cluster of 3 namespace hosts
 slurm() {
-  echo "== Slurm: a cluster of 2 namespace hosts; sbatch with MPICH's and Open MPI's mpiexec, srun, the" \
-    "singleton trap $(elapsed)"
+  echo "== Slurm: a cluster of 3 namespace hosts; sbatch with MPICH's and Open MPI's mpiexec, srun, the" \
+    "singleton trap, elastic node loss $(elapsed)"
   local packages=(slurmd slurmctld slurm-client munge libpmix-dev)
   if ! why=$(python scripts/cluster.py check 2>&1); then
     echo "skipped: $why"
