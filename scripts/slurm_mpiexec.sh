@@ -16,8 +16,9 @@
 #   ELASTIC_RANKS=4 sbatch --nodes 3 --ntasks-per-node 2 scripts/slurm_mpiexec.sh .venv-ompi train.py
 #
 # With TCP_SUBNET (e.g. 198.18.0.0/24) and TCP_IFACE (e.g. eth0) set, MPI between nodes goes over TCP on that
-# network only (as on scripts/cluster.py's hosts, which share one machine's memory). Run as root, Open MPI
-# is given its consent to that.
+# network only (as on scripts/cluster.py's hosts, which share one machine's memory). With SHARED_CORES=1
+# (those hosts share its cores too), Open MPI's idle ranks yield their core instead of polling. Run as
+# root, Open MPI is given its consent to that.
 set -euo pipefail
 venv=$1
 shift
@@ -28,6 +29,9 @@ if "$venv/bin/mpiexec" --version 2>&1 | grep -q "Open MPI\|PRRTE"; then
   options+=(--bind-to none)  # nodes that share cores: no pinning
   if [ "$(id -u)" = 0 ]; then
     export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  fi
+  if [ "${SHARED_CORES:-0}" = 1 ]; then
+    export OMPI_MCA_mpi_yield_when_idle=1
   fi
   if [ -n "${TCP_SUBNET:-}" ]; then
     # PRRTE (Open MPI 5) reads PRTE_MCA_*; Open MPI before 5 read OMPI_MCA_orte_*

@@ -24,10 +24,11 @@
 # namespace hosts (scripts/cluster.py up --slurm), to which
 # tests/test_slurm.py submits jobs as users do: sbatch with the mpiexec of
 # MPICH's venv and of Open MPI's inside a 2-node allocation (one world of 4
-# across both hosts; the seed example), srun with each MPI's PMI plugin, srun
+# across both hosts; the seed example; the reducer's collective tests), srun
+# with each MPI's PMI plugin, srun
 # with one the MPI cannot use (every task stops with the singleton error), and
 # elastic mode (Open MPI's mpiexec --with-ft ulfm in a 3-node allocation: a
-# node's ranks killed, replacements started on the free node). About a minute.
+# node's ranks killed, replacements started on the free node). About 2 minutes.
 #
 # Intel MPI (the [impi] extra) is not run by default, to keep the suite
 # within its 40-minute budget on a 2-core machine: a third venv (torch
