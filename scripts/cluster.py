@@ -16,6 +16,7 @@ host sends leaves the machine.
 Commands (as root)::
 
     cluster.py up --hosts 2 --rate 1gbit          # H hosts, NICs shaped (or --rate none)
+    cluster.py up --hosts 2 --slurm               # and Slurm on them: munged, slurmctld, a slurmd per host
     cluster.py run --ppn 2 -- python job.py       # mpiexec across the hosts, P ranks per host
     cluster.py run --hosts 2 --ppn 2 -- CMD ...   # up, run, down in one go (down also on failure)
     cluster.py exec 2 -- ip addr                  # one command on host 2
@@ -46,8 +47,17 @@ the launcher, which ends the job (Open MPI's would wait minutes). After
 ``mpiexec``, say) are named on stderr and killed. ``run --timeout
 S`` kills the whole job after S seconds (exit 124).
 
+With ``--slurm`` (Debian's ``slurmd``, ``slurmctld``, ``slurm-client`` and
+``munge``; ``libpmix-dev`` for ``srun --mpi=pmix``), each host is a Slurm
+node named as its namespace, at its address; ``slurmctld`` and a
+``munged`` of the cluster's own listen on the bridge and in
+``/run/cluster-slurm/NAME``, which also holds ``slurm.conf`` (``up`` prints
+the ``SLURM_CONF`` to export for ``sinfo``, ``sbatch`` and ``srun``). ``down``
+stops them and removes that directory.
+
 Exit status: the command's; 2 for bad arguments; 3 where this machine cannot
-make a cluster (not root, no ``ip``, namespaces not permitted).
+make a cluster (not root, no ``ip``, namespaces not permitted, or Slurm
+asked for and not installed).
 """
 
 from __future__ import annotations
