@@ -26,6 +26,7 @@ from ._core.options import Options
 from ._core.planning import Bucket
 from ._core.powersgd import PowerSGD
 from ._core.shard import Piece, Shard
+from ._core.singleton import check_not_singleton
 from ._core.sparse import RowSparse
 from ._core.steps import ReductionStep
 from ._core.timeline import Timeline
@@ -48,6 +49,7 @@ __all__ = [
     "Shard",
     "Timeline",
     "broadcast_parameters",
+    "check_not_singleton",
     "create_group",
     "local_rank",
     "local_size",

@@ -15,6 +15,11 @@ which one a given ``mpiexec`` is and writes its command line::
                             env={"OMP_NUM_THREADS": "1"})
     subprocess.run(argv, env=launcher.environment(), timeout=600)
 
+Under Slurm, ``launcher.srun_command([...], nodes=2, ppn=2)`` writes the
+``srun`` line that starts the same job without ``mpiexec``, with the PMI
+plugin this MPI needs (``--mpi=pmi2`` for MPICH, ``--mpi=pmix`` for Open
+MPI 5).
+
 ``launcher.command(..., fault_tolerance=True)`` asks for ULFM (Open MPI 5
 only; elsewhere it raises). Across hosts, :class:`Network` says which IPv4
 network carries MPI (over TCP) and ``agent`` which ssh-like program starts the
@@ -247,6 +252,72 @@ class Launcher:
             return self._prrte(program, ranks, hosts, ppn, variables, tag_output, oversubscribe, fault_tolerance,
                                pin, network, agent, host_timeout)
         return self._hydra(program, ranks, hosts, ppn, variables, tag_output, pin, network, agent)
+
+    @property
+    def srun_mpi(self) -> str:
+        """The ``srun --mpi`` plugin that gives this MPI's ranks one world: ``pmix`` for Open MPI 5 (under
+        ``pmi2`` or none it starts N worlds of size 1), ``pmi2`` for MPICH (its wheel aborts under ``pmix``:
+        "unsupported PMI version PMIx") and Intel MPI."""
+        return "pmix" if self.vendor == "Open MPI" else "pmi2"
+
+    def srun_command(
+        self,
+        program: Sequence[str],
+        *,
+        ranks: int | None = None,
+        nodes: int | None = None,
+        ppn: int | None = None,
+        env: Mapping[str, str] | None = None,
+        srun: str = "srun",
+        pmi_library: str | None = None,
+    ) -> list[str]:
+        """The ``srun`` line that starts ``program`` as one MPI job of this launcher's MPI, without ``mpiexec``.
+
+        Slurm starts the ranks itself and wires them through the PMI plugin of
+        :attr:`srun_mpi`. Inside an allocation (``sbatch``, ``salloc``) the
+        counts default to the allocation's. Every task is killed when one
+        exits with an error (``--kill-on-bad-exit``), as ``mpiexec`` does.
+
+        Args:
+            program: the program and its arguments, run by every rank.
+            ranks: how many ranks (``--ntasks``); default the allocation's.
+            nodes: how many nodes (``--nodes``).
+            ppn: ranks per node (``--ntasks-per-node``).
+            env: environment variables for every rank (besides the caller's, which srun passes on).
+            srun: the ``srun`` program.
+            pmi_library: Intel MPI only, and required there: the path of Slurm's ``libpmi2.so``
+                (set as ``I_MPI_PMI_LIBRARY``).
+
+        Returns:
+            The argument vector, starting with ``srun``.
+
+        Raises:
+            ValueError: a bad argument (named); Intel MPI without ``pmi_library``.
+        """
+        program = list(program)
+        variables = dict(env or {})
+        for name, value in (("ranks", ranks), ("nodes", nodes), ("ppn", ppn)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}: expected a positive int or None, got {value!r}")
+        if ranks is not None and nodes is not None and ppn is not None and ranks > nodes * ppn:
+            raise ValueError(f"ranks: expected at most nodes * ppn = {nodes * ppn}, got {ranks}")
+        self._check(program, ranks or 1, [], None, variables, False, None, None)
+        if self.vendor == "Intel MPI":
+            if not pmi_library:
+                raise ValueError("pmi_library: Intel MPI under srun needs Slurm's libpmi2.so "
+                                 "(I_MPI_PMI_LIBRARY), got None")
+            variables = {"I_MPI_PMI_LIBRARY": pmi_library, **variables}
+        elif pmi_library is not None:
+            raise ValueError(f"pmi_library: only Intel MPI takes one; {self.vendor} has its own PMI client")
+        cmd = [srun, f"--mpi={self.srun_mpi}", "--kill-on-bad-exit=1"]
+        if nodes is not None:
+            cmd.append(f"--nodes={nodes}")
+        if ppn is not None:
+            cmd.append(f"--ntasks-per-node={ppn}")
+        if ranks is not None:
+            cmd.append(f"--ntasks={ranks}")
+        # env(1) carries values unchanged (srun's --export splits them at commas)
+        return [*cmd, *(["env", *(f"{k}={v}" for k, v in variables.items())] if variables else []), *program]
 
     def environment(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
         """The environment to run :meth:`command`'s line in.

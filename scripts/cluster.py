@@ -16,6 +16,7 @@ host sends leaves the machine.
 Commands (as root)::
 
     cluster.py up --hosts 2 --rate 1gbit          # H hosts, NICs shaped (or --rate none)
+    cluster.py up --hosts 2 --slurm               # and Slurm on them: munged, slurmctld, a slurmd per host
     cluster.py run --ppn 2 -- python job.py       # mpiexec across the hosts, P ranks per host
     cluster.py run --hosts 2 --ppn 2 -- CMD ...   # up, run, down in one go (down also on failure)
     cluster.py exec 2 -- ip addr                  # one command on host 2
@@ -46,8 +47,17 @@ the launcher, which ends the job (Open MPI's would wait minutes). After
 ``mpiexec``, say) are named on stderr and killed. ``run --timeout
 S`` kills the whole job after S seconds (exit 124).
 
+With ``--slurm`` (Debian's ``slurmd``, ``slurmctld``, ``slurm-client`` and
+``munge``; ``libpmix-dev`` for ``srun --mpi=pmix``), each host is a Slurm
+node named as its namespace, at its address; ``slurmctld`` and a
+``munged`` of the cluster's own listen on the bridge and in
+``/run/cluster-slurm/NAME``, which also holds ``slurm.conf`` (``up`` prints
+the ``SLURM_CONF`` to export for ``sinfo``, ``sbatch`` and ``srun``). ``down``
+stops them and removes that directory.
+
 Exit status: the command's; 2 for bad arguments; 3 where this machine cannot
-make a cluster (not root, no ``ip``, namespaces not permitted).
+make a cluster (not root, no ``ip``, namespaces not permitted, or Slurm
+asked for and not installed).
 """
 
 from __future__ import annotations
@@ -424,6 +434,211 @@ def launch(host: str, command: str) -> int:
     return 255
 
 
+# -- Slurm on the cluster's hosts -----------------------------------------------------------------------------
+
+#: The Debian programs a Slurm cluster needs (apt-get install slurmd slurmctld slurm-client munge).
+SLURM_PROGRAMS = ("munged", "slurmctld", "slurmd", "sinfo", "srun", "sbatch", "scontrol")
+#: Where a cluster's Slurm lives: configuration, munge's key and socket, state, logs, pid files.
+SLURM_ROOT = Path("/run/cluster-slurm")
+#: CPUs each host declares to Slurm (the hosts share this machine's cores: Slurm hands out slots, not cores).
+SLURM_CPUS = 4
+#: Seconds ``up --slurm`` waits for every node to be idle.
+SLURM_START = 60
+
+
+def slurm_dir(cluster: Cluster) -> Path:
+    """The directory of ``cluster``'s Slurm (its ``slurm.conf`` is what ``SLURM_CONF`` names)."""
+    return SLURM_ROOT / cluster.name
+
+
+def slurm_unavailable() -> str | None:
+    """Why no Slurm cluster can be made here (a missing program), or None."""
+    missing = [p for p in SLURM_PROGRAMS if shutil.which(p) is None and not Path("/usr/sbin", p).is_file()]
+    if missing:
+        return (f"Slurm is not installed: {', '.join(missing)} not found (Debian: apt-get install slurmd slurmctld "
+                f"slurm-client munge)")
+    return None
+
+
+def _program(name: str) -> str:
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
+def slurm_conf(cluster: Cluster, net: ipaddress.IPv4Network, hosts: Sequence[int], where: Path) -> str:
+    """``slurm.conf`` for ``cluster``: slurmctld on the bridge's address, one node per host (its namespace's name
+    and address), every node in one default partition; munge through this cluster's own socket."""
+    controller = str(net.network_address + BRIDGE_HOST)
+    lines = [
+        f"ClusterName={cluster.name}",
+        f"SlurmctldHost={os.uname().nodename.split('.')[0]}({controller})",
+        f"SlurmctldPort={7000 + int(net.network_address.packed[2])}",
+        "SlurmdPort=6818",
+        # the hosts share this machine's cores: each declares SLURM_CPUS slots whatever slurmd counts
+        "SlurmdParameters=config_overrides",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={where / 'munge.socket'}",
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_CPU",
+        "MpiDefault=none",
+        "ReturnToService=2",
+        "SlurmdTimeout=30",
+        "InactiveLimit=0",
+        "KillWait=5",
+        "MinJobAge=300",
+        f"StateSaveLocation={where / 'state'}",
+        f"SlurmdSpoolDir={where / 'spool-%n'}",
+        f"SlurmctldPidFile={where / 'slurmctld.pid'}",
+        f"SlurmdPidFile={where / 'slurmd-%n.pid'}",
+        f"SlurmctldLogFile={where / 'slurmctld.log'}",
+        f"SlurmdLogFile={where / 'slurmd-%n.log'}",
+        *(f"NodeName={cluster.ns(h)} NodeAddr={net.network_address + h} NodeHostname={cluster.ns(h)} "
+          f"CPUs={SLURM_CPUS} State=UNKNOWN" for h in hosts),
+        f"PartitionName=hosts Nodes={','.join(cluster.ns(h) for h in hosts)} Default=YES MaxTime=INFINITE State=UP",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def slurm_environment(cluster: Cluster) -> dict[str, str]:
+    """The environment in which Slurm's commands (``sinfo``, ``sbatch``, ``srun``) talk to ``cluster``'s Slurm."""
+    return {**os.environ, "SLURM_CONF": str(slurm_dir(cluster) / "slurm.conf")}
+
+
+def _start_daemon(argv: Sequence[str], log: Path) -> None:
+    """Start a daemon that forks into the background itself; raise with its log's tail if it fails to."""
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace")[-1500:] if log.is_file() else ""
+        raise ClusterError(f"`{' '.join(argv)}` failed (exit status {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout).strip()}\n{tail}")
+
+
+def slurm_up(cluster: Cluster) -> Path:
+    """Start Slurm on ``cluster`` (up already): munged, slurmctld on the bridge, one slurmd per host in its
+    namespace (with the host's name), and wait until ``sinfo`` shows every node idle.
+
+    Returns:
+        The ``slurm.conf`` to point ``SLURM_CONF`` at.
+
+    Raises:
+        ClusterError: Slurm is not installed (status 3), or a daemon did not start (its log quoted); what was
+            started is stopped again.
+    """
+    why = slurm_unavailable()
+    if why is not None:
+        raise ClusterError(why, UNAVAILABLE)
+    hosts, net = cluster.hosts(), cluster.subnet()
+    if not hosts or net is None:
+        raise ClusterError(f"cluster {cluster.name!r} is not up; run `cluster.py up --hosts H --slurm`")
+    where = slurm_dir(cluster)
+    if where.exists():
+        raise ClusterError(f"cluster {cluster.name!r} has a Slurm already ({where}); `cluster.py --name "
+                           f"{cluster.name} down` first")
+    try:
+        (where / "state").mkdir(parents=True, mode=0o700)
+        where.chmod(0o755)  # munged asks that every directory above its socket be searchable
+        key = where / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        key.chmod(0o600)
+        conf = where / "slurm.conf"
+        conf.write_text(slurm_conf(cluster, net, hosts, where))
+        # slurmd's default (cgroup/v2) finds no unified hierarchy at /sys/fs/cgroup on this kind of machine
+        (where / "cgroup.conf").write_text("CgroupPlugin=cgroup/v1\nCgroupMountpoint=/sys/fs/cgroup\n"
+                                           "CgroupAutomount=no\n")
+        _start_daemon([_program("munged"), "--force", f"--socket={where / 'munge.socket'}", f"--key-file={key}",
+                       f"--pid-file={where / 'munged.pid'}", f"--log-file={where / 'munged.log'}",
+                       f"--seed-file={where / 'munged.seed'}"], where / "munged.log")
+        _start_daemon([_program("slurmctld"), "-f", str(conf), "-i"], where / "slurmctld.log")
+        # Slurm's PMIx plugin makes its step directories under one path, whose name differs by job and step
+        # only: the hosts, which share this machine's /tmp, each get a directory of their own at that path
+        (where / "mpi.conf").write_text(f"PMIxCliTmpDirBase={where / 'pmix'}\n")
+        (where / "pmix").mkdir()
+        for host in hosts:
+            ns = cluster.ns(host)
+            (where / f"spool-{ns}").mkdir()
+            (where / f"pmix-{ns}").mkdir()
+            # `ip netns exec` gives it a mount namespace of its own; a UTS namespace too: the tasks it starts
+            # see the host's name
+            _start_daemon(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                           'hostname "$0" && mount --bind "$3/pmix-$0" "$3/pmix" && exec "$1" -f "$2" -N "$0"',
+                           ns, _program("slurmd"), str(conf), str(where)], where / f"slurmd-{ns}.log")
+        slurm_wait_idle(cluster, len(hosts))
+    except BaseException:
+        slurm_down(cluster)
+        raise
+    return conf
+
+
+def slurm_wait_idle(cluster: Cluster, count: int, timeout: float = SLURM_START) -> None:
+    """Wait until ``sinfo`` shows ``count`` idle nodes; raise with what it shows and the logs' tails if not."""
+    deadline, shown = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        proc = subprocess.run(["sinfo", "--noheader", "--Node", "--format=%N %t"], capture_output=True, text=True,
+                              timeout=30, env=slurm_environment(cluster))
+        shown = (proc.stdout + proc.stderr).strip()
+        if proc.returncode == 0 and sum(line.split()[-1] == "idle" for line in proc.stdout.splitlines()) == count:
+            return
+        time.sleep(0.5)
+    logs = "".join(f"\n--- {log.name} ---\n{log.read_text(errors='replace')[-800:]}"
+                   for log in sorted(slurm_dir(cluster).glob("*.log")))
+    raise ClusterError(f"Slurm on cluster {cluster.name!r}: {count} nodes not idle after {timeout:g} s; "
+                       f"sinfo shows: {shown or '(nothing)'}{logs}")
+
+
+def _slurm_processes(where: Path) -> dict[int, str]:
+    """Processes started with ``where`` in their command line (every daemon of that cluster's Slurm is), and
+    their children (slurmctld's script helper, slurmd's step daemons): pid to command line."""
+    parents: dict[int, int] = {}
+    found = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        pid = int(entry.name)
+        try:
+            parents[pid] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone
+            continue
+        cmd = cmdline(pid)
+        if str(where) in cmd and pid != os.getpid():
+            found[pid] = cmd
+    grown = True
+    while grown:
+        children = {pid: cmdline(pid) for pid, parent in parents.items() if parent in found and pid not in found}
+        found.update(children)
+        grown = bool(children)
+    return found
+
+
+def slurm_down(cluster: Cluster) -> list[str]:
+    """Stop ``cluster``'s Slurm (slurmds, slurmctld, munged) and remove its directory; nothing if it has none.
+
+    The daemons get SIGTERM and 5 s to exit, then SIGKILL. Jobs' processes on the hosts are left to
+    :meth:`Cluster.down`, which kills whatever runs there.
+
+    Returns:
+        A line naming the daemons that had to be killed, if any.
+    """
+    where = slurm_dir(cluster)
+    if not where.exists():
+        return []
+    daemons = _slurm_processes(where)
+    for pid in daemons:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except OSError:
+            pass
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _slurm_processes(where):
+        time.sleep(0.1)
+    left = _slurm_processes(where)
+    kill(list(left))
+    shutil.rmtree(where, ignore_errors=True)
+    return [f"Slurm: killed {len(left)} daemons that ignored SIGTERM: {describe(left)}"] if left else []
+
+
 def parse(argv: Sequence[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="cluster.py", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -432,6 +647,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     up = sub.add_parser("up", help="make the hosts")
     up.add_argument("--hosts", type=int, required=True)
     up.add_argument("--rate", default="none", help="each NIC's send rate: 1gbit, 500mbit, ... or none")
+    up.add_argument("--slurm", action="store_true", help="and a Slurm cluster on the hosts: munged, slurmctld "
+                    "on the bridge, a slurmd per host (SLURM_CONF printed; needs Debian's slurmd, slurmctld, "
+                    "slurm-client and munge)")
     run = sub.add_parser("run", help="run a command under mpiexec across the hosts")
     run.add_argument("--hosts", type=int, help="bring a cluster of this many hosts up first, and down after")
     run.add_argument("--rate", default="none", help="with --hosts: each NIC's send rate")
@@ -509,11 +727,23 @@ def main(argv: Sequence[str]) -> int:
         return 0
     require_usable()
     if args.what == "up":
+        if args.slurm and slurm_unavailable():
+            raise ClusterError(str(slurm_unavailable()), UNAVAILABLE)
         cluster.up(args.hosts, parse_rate(args.rate))
         print(f"cluster {args.name}: {args.hosts} hosts, " + ", ".join(
             f"{h}={cluster.address(h)}" for h in cluster.hosts()) + f", rate {args.rate}")
+        if args.slurm:
+            try:
+                conf = slurm_up(cluster)
+            except BaseException:
+                cluster.down(quiet=True)
+                raise
+            print(f"cluster {args.name}: Slurm: nodes {', '.join(cluster.ns(h) for h in cluster.hosts())} idle; "
+                  f"SLURM_CONF={conf}")
         return 0
     if args.what == "down":
+        for line in slurm_down(cluster):
+            print(f"cluster {args.name}: {line}", file=sys.stderr)
         for line in cluster.down():
             print(f"cluster {args.name}: {line}", file=sys.stderr)
         return 0

@@ -19,6 +19,17 @@
 # mode (ranks SIGKILLed from outside, the survivors go on), and the stage
 # across hosts as under MPICH (2 hosts x 2 ranks).
 #
+# Slurm (as root, Debian's slurmd, slurmctld, slurm-client, munge and
+# libpmix-dev installed here with apt-get where missing): a Slurm cluster of 3
+# namespace hosts (scripts/cluster.py up --slurm), to which
+# tests/test_slurm.py submits jobs as users do: sbatch with the mpiexec of
+# MPICH's venv and of Open MPI's inside a 2-node allocation (one world of 4
+# across both hosts; the seed example; the reducer's collective tests), srun
+# with each MPI's PMI plugin, srun
+# with one the MPI cannot use (every task stops with the singleton error), and
+# elastic mode (Open MPI's mpiexec --with-ft ulfm in a 3-node allocation: a
+# node's ranks killed, replacements started on the free node). About 2 minutes.
+#
 # Intel MPI (the [impi] extra) is not run by default, to keep the suite
 # within its 40-minute budget on a 2-core machine: a third venv (torch
 # included) and a 4-rank stage would add about as much again as Open MPI's
@@ -85,9 +96,29 @@ hosts() {
     echo "skipped: $why"
   fi
 }
+# slurm: Debian's Slurm (installed where missing), then tests/test_slurm.py on a Slurm cluster of 3 namespace hosts
+slurm() {
+  echo "== Slurm: a cluster of 3 namespace hosts; sbatch with MPICH's and Open MPI's mpiexec, srun, the" \
+    "singleton trap, elastic node loss $(elapsed)"
+  local packages=(slurmd slurmctld slurm-client munge libpmix-dev)
+  if ! why=$(python scripts/cluster.py check 2>&1); then
+    echo "skipped: $why"
+  elif ! dpkg -s "${packages[@]}" >/dev/null 2>&1 && ! command -v apt-get >/dev/null; then
+    echo "skipped: Slurm is not installed and there is no apt-get to install Debian's ${packages[*]}"
+  else
+    if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
+      # libpmix-dev: the libpmix.so that Slurm's PMIx plugin loads (srun --mpi=pmix, Open MPI's way)
+      timeout --kill-after=10 300 apt-get update -qq
+      DEBIAN_FRONTEND=noninteractive timeout --kill-after=10 600 apt-get install -y -qq --no-install-recommends \
+        "${packages[@]}" >/dev/null
+    fi
+    MPI_GRADREDUCER_SLURM=1 MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 600 \
+      python -m pytest -q -p no:cacheprovider tests/test_slurm.py -rs
+  fi
+}
 # The tests that launch whole jobs, and the fault tests (one process; under a second MPI)
 jobs=(tests/test_launch.py tests/test_faults.py tests/test_join.py tests/test_longrun.py tests/test_async.py
-      tests/test_bench_cli.py tests/test_info.py)
+      tests/test_bench_cli.py tests/test_info.py tests/test_singleton.py)
 
 install "$venv" mpich,test,docs
 use "$venv"
@@ -120,6 +151,8 @@ echo "== Open MPI with fault tolerance: elastic mode (ranks SIGKILLed from outsi
 MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 1200 python -m pytest -q -p no:cacheprovider -rsx \
   tests/test_elastic.py tests/test_elastic_windows.py tests/test_elastic_torch.py
 hosts "Open MPI" mgrcio
+use "$venv"
+slurm
 
 if [ "${MPI_GRADREDUCER_IMPI:-0}" = 1 ]; then
   echo "== Intel MPI: install into $impi_venv $(elapsed)"

@@ -220,3 +220,36 @@ def test_environment_drops_an_enclosing_job_s_wiring_and_keeps_settings():
     assert env["OMPI_MCA_btl"] == "self,tcp" and env["MPIR_CVAR_X"] == "1"
     assert env["PATH"].split(os.pathsep) == ["/usr/bin", "/x/bin"]
     assert ("OMPI_ALLOW_RUN_AS_ROOT" in env) == (os.geteuid() == 0)
+
+
+@pytest.mark.parametrize("launcher, plugin", [(LAUNCHERS[0], "pmi2"), (LAUNCHERS[1], "pmix")],
+                         ids=lambda x: x.vendor if isinstance(x, Launcher) else x)
+def test_srun_lines_name_the_plugin_that_makes_one_world(launcher: Launcher, plugin: str):
+    """MPICH's wheel aborts under --mpi=pmix; Open MPI 5 starts singletons under pmi2 (tests/test_slurm.py)."""
+    program = [sys.executable, "job.py", "--x", "a,b c"]
+    assert launcher.srun_command(program, nodes=2, ppn=2, env={"A": AWKWARD}) == [
+        "srun", f"--mpi={plugin}", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=2", "env",
+        f"A={AWKWARD}", *program]
+    assert launcher.srun_command(program, srun="/s/srun") == ["/s/srun", f"--mpi={plugin}", "--kill-on-bad-exit=1",
+                                                               *program]
+
+
+def test_srun_under_intel_mpi_needs_slurm_s_pmi_library():
+    intel = LAUNCHERS[2]
+    with pytest.raises(ValueError, match=r"pmi_library: Intel MPI under srun needs Slurm's libpmi2.so"):
+        intel.srun_command(["prog"])
+    assert intel.srun_command(["prog"], ranks=4, pmi_library="/l/libpmi2.so") == [
+        "srun", "--mpi=pmi2", "--kill-on-bad-exit=1", "--ntasks=4", "env", "I_MPI_PMI_LIBRARY=/l/libpmi2.so", "prog"]
+    with pytest.raises(ValueError, match=r"pmi_library: only Intel MPI takes one; MPICH has its own PMI client"):
+        LAUNCHERS[0].srun_command(["prog"], pmi_library="/l/libpmi2.so")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"ranks": 0}, r"ranks: expected a positive int or None, got 0"),
+    ({"nodes": True}, r"nodes: expected a positive int or None, got True"),
+    ({"ranks": 5, "nodes": 2, "ppn": 2}, r"ranks: expected at most nodes \* ppn = 4, got 5"),
+    ({"env": {"A-B": "1"}}, r"env: expected variable names .* got 'A-B'"),
+])
+def test_bad_srun_requests_are_refused_naming_the_argument(kwargs: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        LAUNCHERS[0].srun_command(["prog"], **kwargs)
