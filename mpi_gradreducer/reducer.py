@@ -19,6 +19,7 @@ from ._core.options import Options, agree as resolve_options, decide_progress
 from ._core.planning import DEFAULT_BUCKET_BYTES, DIRECT_BYTES, ParamSpec
 from ._core.polling import Polling
 from ._core.replay import Replay
+from ._core.singleton import check_not_singleton
 from ._core.steps import Overlap, ReductionStep
 from ._core.summers import Summers
 from ._core.topology import Topology
@@ -81,6 +82,7 @@ class DistributedGradReducer:
         options: Options | None = None,
         **more: Any,
     ) -> None:
+        check_not_singleton()  # a launcher's N tasks that MPI made N worlds of 1: refused before anything
         given = {k: v for k, v in (("mean", mean), ("degree", degree), ("fusion_type", fusion_type))
                  if v is not DEFAULT}
         asked = (Options() if options is None else options).replace(**more, **given)

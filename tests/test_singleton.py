@@ -12,7 +12,6 @@ this environment's ``mpiexec`` the ranks form one world and train.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import JOB_STRIPPED, run_job
+from mpi_gradreducer import jobs
 from mpi_gradreducer._core.singleton import ALLOW_SINGLETON_ENV, check_not_singleton, launch_claims, singleton_problem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,22 +118,14 @@ def _singletons(env: dict[str, str], tasks: int, via: str = "check", limit: floa
     """Start ``tasks`` probes at once, without mpiexec, task ``t`` with ``env`` (``{t}`` replaced by ``t``)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(JOB_STRIPPED) and not k.startswith("SLURM_")}
     base.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(PROBE), f"--via={via}"], cwd=ROOT,
-                              env={**base, **{k: v.replace("{t}", str(t)) for k, v in env.items()}},
-                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for t in range(tasks)]
+    probes = [jobs.Job([sys.executable, str(PROBE), f"--via={via}"], cwd=ROOT, stderr=jobs.STDOUT,
+                       env={**base, **{k: v.replace("{t}", str(t)) for k, v in env.items()}}) for t in range(tasks)]
     deadline, out = time.monotonic() + limit, []
-    try:
-        for proc in procs:
-            text, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            out.append((proc.returncode, text))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"a singleton probe did not end within {limit:g} s")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    for probe in probes:  # each ended, with its whole group, by its deadline at the latest
+        done = probe.finish(max(1.0, deadline - time.monotonic()))
+        if done.timed_out:
+            pytest.fail(f"a singleton probe did not end within {limit:g} s:\n{done.stdout[-2000:]}")
+        out.append((done.returncode, done.stdout))
     return out
 
 
@@ -148,12 +140,13 @@ def _claims_for_this_library() -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("via", ["check", "reducer", "hvd", "torch"])
 @pytest.mark.parametrize("which", ["slurm step", "another MPI's launcher"])
-def test_two_singletons_both_stop_before_training(which):
+def test_two_singletons_both_stop_before_training(which, via):
     if MPI.COMM_WORLD.Get_size() > 1:
         pytest.skip("starts its own processes: run from a single process")
     env = _claims_for_this_library()[0 if which == "slurm step" else 1]
-    out = _singletons(env, 2)
+    out = _singletons(env, 2, via)
     for task, (status, text) in enumerate(out):
         assert status == 3, f"task {task}: exit status {status}\n{text}"
         assert "trained" not in text, text

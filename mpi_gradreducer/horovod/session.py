@@ -19,6 +19,7 @@ from typing import Any
 from mpi4py import MPI
 
 from .._core import groups
+from .._core.singleton import check_not_singleton
 from .._core.topology import Topology
 from .engine import Engine
 
@@ -136,6 +137,7 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     """
     if _Session.context is not None:
         return
+    check_not_singleton()
     if comm is None:
         base: MPI.Intracomm = MPI.COMM_WORLD.Dup()
     elif isinstance(comm, MPI.Intracomm):

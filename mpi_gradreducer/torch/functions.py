@@ -14,6 +14,7 @@ from mpi4py import MPI
 from .._core import backend, groups
 from .._core.rendezvous import tcp_rendezvous
 from .._core.shard import Shard
+from .._core.singleton import check_not_singleton
 from .optimizer import DistributedOptimizer
 from .optimizer_state import send_state
 from .tensors import bytes_of, check_same_tensors
@@ -69,6 +70,7 @@ def init_gloo(comm: MPI.Intracomm | None = None, timeout: float = 300.0) -> None
     """
     import torch.distributed as dist
 
+    check_not_singleton()
     comm = MPI.COMM_WORLD if comm is None else comm
     meet = tcp_rendezvous(comm)
     if meet.interface is not None:
