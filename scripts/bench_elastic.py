@@ -112,7 +112,7 @@ def _step_job() -> None:
             reducer(grads)
             opt.step(grads)
             if commit:
-                state.step += 1
+                state.step += 1  # type: ignore[attr-defined]  # a plain value of the state
                 state.commit()
         return comm.allreduce(time.perf_counter() - t0, op=MPI.MAX) / n
 

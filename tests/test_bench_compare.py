@@ -1,0 +1,31 @@
+"""scripts/bench_compare.py, the A/B regression guard: two commits, alternated, one table of ratios."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import WORLD
+from mpi_gradreducer import jobs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_two_trees_alternate_and_each_method_gets_a_ratio():
+    if WORLD.Get_size() > 1:
+        pytest.skip("starts its own MPI jobs: run from a single process")
+    done = jobs.run([sys.executable, str(ROOT / "scripts" / "bench_compare.py"), "HEAD", "--head-tree", "--rounds",
+                     "2", "--ranks", "1", "--", "--workload", "small", "--methods", "limit", "reducer",
+                     "--reps", "2"], timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr.count(": A done") == 2 and done.stderr.count(": B done") == 2, done.stderr
+    rows = re.findall(r"^small\s+reducer\s+([\d.]+) \[.*\]\s+([\d.]+) \[.*\]\s+([\d.]+)$", done.stdout, re.M)
+    assert len(rows) == 1, done.stdout
+    a, b, ratio = (float(v) for v in rows[0])
+    assert a > 0 and b > 0 and ratio == pytest.approx(b / a, rel=0.01), done.stdout
+    listed = jobs.run(["git", "-C", str(ROOT), "worktree", "list"], timeout=30).stdout
+    assert "bench_compare." not in listed, f"a worktree was left behind:\n{listed}"
