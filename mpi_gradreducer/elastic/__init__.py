@@ -28,6 +28,7 @@ back), ``rebuild`` (what a tracked object offers: ``communicators()``, ``abandon
 """
 
 from .._core.faults import ulfm_available, why_no_ulfm
+from .batch import GlobalBatch
 from .discovery import Discovery
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .loop import run
@@ -35,5 +36,5 @@ from .rebuild import Rebuildable
 from .state import ArrayState, State
 from .world import Settings, World
 
-__all__ = ["ArrayState", "Discovery", "ElasticError", "HostsUpdated", "RanksLost", "Rebuildable", "Settings", "State",
-           "World", "run", "ulfm_available", "why_no_ulfm"]
+__all__ = ["ArrayState", "Discovery", "ElasticError", "GlobalBatch", "HostsUpdated", "RanksLost", "Rebuildable",
+           "Settings", "State", "World", "run", "ulfm_available", "why_no_ulfm"]
