@@ -100,14 +100,15 @@ hosts() {
 slurm() {
   echo "== Slurm: a cluster of 3 namespace hosts; sbatch with MPICH's and Open MPI's mpiexec, srun, the" \
     "singleton trap, elastic node loss $(elapsed)"
-  local packages=(slurmd slurmctld slurm-client munge libpmix-dev)
+  local packages=(slurmd slurmctld slurm-client munge libpmix-dev libpmi2-0)
   if ! why=$(python scripts/cluster.py check 2>&1); then
     echo "skipped: $why"
   elif ! dpkg -s "${packages[@]}" >/dev/null 2>&1 && ! command -v apt-get >/dev/null; then
     echo "skipped: Slurm is not installed and there is no apt-get to install Debian's ${packages[*]}"
   else
     if ! dpkg -s "${packages[@]}" >/dev/null 2>&1; then
-      # libpmix-dev: the libpmix.so that Slurm's PMIx plugin loads (srun --mpi=pmix, Open MPI's way)
+      # libpmix-dev: the libpmix.so that Slurm's PMIx plugin loads (srun --mpi=pmix, Open MPI's way);
+      # libpmi2-0: Slurm's libpmi2.so, which Intel MPI loads under srun --mpi=pmi2
       timeout --kill-after=10 300 apt-get update -qq
       DEBIAN_FRONTEND=noninteractive timeout --kill-after=10 600 apt-get install -y -qq --no-install-recommends \
         "${packages[@]}" >/dev/null
@@ -161,6 +162,14 @@ if [ "${MPI_GRADREDUCER_IMPI:-0}" = 1 ]; then
   collective "Intel MPI" 4
   echo "== Intel MPI, one process: the tests that launch jobs $(elapsed)"
   timeout --kill-after=10 900 python -m pytest -q -p no:cacheprovider "${jobs[@]}" --with-mpi -rs
+  echo "== Intel MPI under Slurm: sbatch with its mpiexec, srun --mpi=pmi2, a bare srun's singletons $(elapsed)"
+  use "$venv"
+  if why=$(python scripts/cluster.py check 2>&1) && command -v sbatch >/dev/null; then
+    MPI_GRADREDUCER_SLURM=1 MPI_GRADREDUCER_IMPI=1 MPI_GRADREDUCER_IMPI_VENV="$impi_venv" \
+      timeout --kill-after=10 600 python -m pytest -q -p no:cacheprovider tests/test_slurm.py -rs -k "Intel"
+  else
+    echo "skipped: ${why:-Slurm is not installed}"
+  fi
 else
   echo "== Intel MPI: skipped (a third venv and stage would pass the suite's 40 minutes here;" \
     "MPI_GRADREDUCER_IMPI=1 adds it)"

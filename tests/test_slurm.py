@@ -68,10 +68,18 @@ def _why_not_here() -> str | None:
     return cluster_unavailable()
 
 
+#: Intel MPI's venv, for the opt-in stage (``MPI_GRADREDUCER_IMPI=1 bash scripts/test.sh``).
+IMPI_VENV = Path(os.environ.get("MPI_GRADREDUCER_IMPI_VENV", ROOT / ".venv-impi"))
+#: Slurm's PMI-2 library (Debian's ``libpmi2-0``), which Intel MPI loads under ``srun --mpi=pmi2``.
+SLURM_PMI2 = Path("/usr/lib/x86_64-linux-gnu/libpmi2.so.0")
+
+
 def _venvs() -> dict[str, Path]:
-    """The venvs of each MPI at hand: this Python's, and Open MPI's (``.venv-ompi`` or its variable)."""
+    """The venvs of each MPI at hand: this Python's, Open MPI's (``.venv-ompi`` or its variable) and, in the
+    opt-in stage, Intel MPI's (``.venv-impi`` or ``MPI_GRADREDUCER_IMPI_VENV``)."""
     found = {}
-    for venv in (Path(sys.executable).parent.parent.absolute(), ompi_venv()):
+    impi = IMPI_VENV if os.environ.get("MPI_GRADREDUCER_IMPI") == "1" else None
+    for venv in (Path(sys.executable).parent.parent.absolute(), ompi_venv(), impi):
         if venv is not None and (venv / "bin" / "mpiexec").exists():
             found[Launcher.detect(str(venv / "bin" / "mpiexec")).vendor] = venv.absolute()
     return found
@@ -154,12 +162,13 @@ def slurm() -> Iterator[Slurm]:
         assert down.returncode == 0, down.stderr
 
 
-@pytest.fixture(params=["MPICH", "Open MPI"])
+@pytest.fixture(params=["MPICH", "Open MPI", "Intel MPI"])
 def venv(request: pytest.FixtureRequest, slurm: Slurm) -> Path:
-    """Each MPI's venv (Open MPI's skipped with the reason where there is none)."""
+    """Each MPI's venv (skipped with the reason where there is none)."""
     found = _venvs()
     if request.param not in found:
-        pytest.skip(f"no {request.param} venv here (Open MPI's: .venv-ompi or MPI_GRADREDUCER_OMPI_VENV)")
+        pytest.skip(f"no {request.param} venv here (Open MPI's: .venv-ompi or MPI_GRADREDUCER_OMPI_VENV; Intel "
+                    "MPI's: MPI_GRADREDUCER_IMPI=1 with .venv-impi or MPI_GRADREDUCER_IMPI_VENV)")
     return found[request.param]
 
 
@@ -207,7 +216,12 @@ def test_srun_with_the_launcher_s_plugin_makes_one_world(slurm: Slurm, venv: Pat
     launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
     env = ({"OMPI_MCA_btl_tcp_if_include": slurm.subnet, "OMPI_MCA_pml": "ob1", "OMPI_MCA_btl": "self,sm,tcp"}
            if launcher.vendor == "Open MPI" else {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"})
-    argv = launcher.srun_command([str(venv / "bin" / "python"), PROBE], nodes=2, ppn=2, env=env)
+    pmi = None
+    if launcher.vendor == "Intel MPI":
+        if not SLURM_PMI2.exists():
+            pytest.skip(f"Intel MPI under srun loads Slurm's {SLURM_PMI2} (Debian's libpmi2-0), not installed")
+        pmi, env = str(SLURM_PMI2), {"FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
+    argv = launcher.srun_command([str(venv / "bin" / "python"), PROBE], nodes=2, ppn=2, env=env, pmi_library=pmi)
     status, text = slurm.srun(argv)
     assert status == 0, f"{' '.join(argv)}\n{text}"
     _one_world_across_both_hosts(text)
@@ -228,7 +242,8 @@ def test_srun_with_a_plugin_the_mpi_cannot_use_stops_every_task(slurm: Slurm, ve
     assert len(errors) == 4, text
     seen = "PMI_SIZE=4" if plugin == "pmi2" else "SLURM_NTASKS=4"
     assert all(seen in e for e in errors), text
-    fix = "`srun --mpi=pmix`" if launcher.vendor == "Open MPI" else "`srun --mpi=pmi2`"
+    fix = {"Open MPI": "`srun --mpi=pmix`", "Intel MPI": "`srun --mpi=pmi2` with I_MPI_PMI_LIBRARY"}.get(
+        launcher.vendor, "`srun --mpi=pmi2`")
     assert fix in text and f"`{venv / 'bin' / 'mpiexec'}`, inside the allocation" in text, text
 
 
