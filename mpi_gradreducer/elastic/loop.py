@@ -13,7 +13,7 @@ from typing import Any
 from .._core import faults
 from . import _ulfm
 from .discovery import Discovery
-from .errors import HostsUpdated, RanksLost
+from .errors import ElasticError, HostsUpdated, RanksLost
 from .state import State
 from .world import JoinFailed, Settings, World
 
@@ -73,7 +73,10 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
     if why is not None and world.comm.Get_rank() == 0:
         _say(f"mpi_gradreducer.elastic: a lost rank will end this job: {why}.")
     def lost(exc: BaseException) -> bool:
-        """Whether ``exc`` means a lost rank that this job can survive."""
+        """Whether ``exc`` means a lost rank that this job can survive (never elastic mode's own verdict, such
+        as too few ranks left, though it was raised while handling a loss)."""
+        if isinstance(exc, ElasticError):
+            return False
         return why is None and (faults.failure_of(exc) is not None or isinstance(exc, RanksLost)
                                 or (failure is not None and failure(exc)) or _ulfm.failed_meanwhile(exc, world.comm))
 
