@@ -176,7 +176,8 @@ class MPIWork(dist._Work):
         self.operation = operation
         self._outputs = outputs
         self._engine = engine
-        devices: list[int | str | torch.device] = [d for d in sorted({str(t.device) for t in outputs if t.device.type == "cuda"})]
+        devices: list[int | str | torch.device] = [
+            d for d in sorted({str(t.device) for t in outputs if t.device.type == "cuda"})]
         self._future: torch.futures.Future[list[torch.Tensor]] = (
             torch.futures.Future(devices=devices) if devices else torch.futures.Future())
         self._done = threading.Event()
