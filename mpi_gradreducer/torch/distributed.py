@@ -421,6 +421,8 @@ class MPIProcessGroup(dist.ProcessGroup):
             error = exc
         agreement.raise_if_any(comm, error)
         self._comm = comm
+        self._rank, self._size = comm.Get_rank(), comm.Get_size()
+        self._group_name, self._group_desc = "", ""
         self._validate = resolved.validate != "never"
         watchdog_timeout = resolved.timeout
         if asked.timeout == "env" and not _env_has(TIMEOUT_ENV) and timeout is not None:
@@ -453,7 +455,23 @@ class MPIProcessGroup(dist.ProcessGroup):
         return self._comm
 
     def __repr__(self) -> str:
-        return f"MPIProcessGroup(rank={self._comm.Get_rank()}, size={self._comm.Get_size()})"
+        return f"MPIProcessGroup(rank={self._rank}, size={self._size}, name={self._group_name!r})"
+
+    # torch keeps a group's name and description in its C++ backends, of which a Python group has none.
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
+    def _set_group_desc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    @property
+    def group_desc(self) -> str:  # type: ignore[override]
+        return self._group_desc
 
     # -- the core of every collective --
 
@@ -667,7 +685,10 @@ class MPIProcessGroup(dist.ProcessGroup):
             return
         mpi_type = _MPI_TYPES[t.dtype]
         mpi_op = _BOOL_OPS[op] if t.dtype == torch.bool else _MPI_OPS[op]
-        self._wait(self._comm.Ireduce_scatter_block([flat.bytes(), n, mpi_type], [out.bytes(), n, mpi_type],
+        send = flat.bytes()
+        if np.may_share_memory(send, out.bytes()):
+            send = send.copy()
+        self._wait(self._comm.Ireduce_scatter_block([send, n, mpi_type], [out.bytes(), n, mpi_type],
                                                     op=mpi_op))
         if op == "AVG":
             out.host.div_(size)
@@ -811,7 +832,8 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         def body() -> None:
             for out, inp in pairs:
-                self._wait(self._comm.Iallgather(inp.bytes(), out.bytes()))
+                self._wait(self._comm.Iallgather(_apart(inp.bytes(), out.bytes(), self._comm.Get_rank()),
+                                                 out.bytes()))
                 out.back()
 
         return self._submit("all_gather_into_tensor", outputs, error, rows, body)
@@ -1085,6 +1107,17 @@ def _displacements(counts: Sequence[int]) -> list[int]:
         places.append(at)
         at += c
     return places
+
+
+def _apart(send: np.ndarray, recv: np.ndarray, rank: int) -> Any:
+    """``send`` for a gather into ``recv``: ``MPI.IN_PLACE`` where it is this rank's block of ``recv``
+    (FSDP2 gathers so), a copy where it overlaps ``recv`` otherwise (MPI forbids aliased buffers)."""
+    if not np.may_share_memory(send, recv):
+        return send
+    start = send.__array_interface__["data"][0] - recv.__array_interface__["data"][0]
+    if start == rank * send.nbytes:
+        return MPI.IN_PLACE
+    return send.copy()
 
 
 def _env_has(name: str) -> bool:
