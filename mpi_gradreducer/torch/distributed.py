@@ -470,7 +470,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         self._group_desc = desc
 
     @property
-    def group_desc(self) -> str:  # type: ignore[override]
+    def group_desc(self) -> str:
         return self._group_desc
 
     # -- the core of every collective --
