@@ -11,11 +11,12 @@ destroyed after it.
 from __future__ import annotations
 
 import datetime
+import re
 
 import numpy as np
 import pytest
 
-from conftest import WORLD
+from conftest import HAS_TORCH, WORLD, run_job
 
 SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 TOLERANCE = 1e-9
@@ -473,3 +474,48 @@ def test_fsdp2_matches_one_process(torch, dist):
     got = [p.full_tensor() if isinstance(p, DTensor) else p for p in model.parameters()]
     for g, want in zip(got, _reference(torch, steps), strict=True):
         assert (g.detach() - want).abs().max().item() <= TOLERANCE
+
+
+# -- faults (whole jobs) ---------------------------------------------------------------------------------------
+
+#: Seconds within which a job with a fault must have ended.
+PROMPT = 60.0
+
+
+def _ended_promptly(job) -> None:
+    assert job.returncode != 0, f"the job should have failed\n{job}"
+    assert job.seconds < PROMPT, f"the job took {job.seconds:.1f} s to end\n{job}"
+    assert not job.lines(r"rank \d: finished"), f"a rank finished training despite the fault\n{job}"
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_healthy_ddp_job_finishes():
+    job = run_job("torch_pg_faults.py", ranks=3, runner=False, limit=120)
+    assert job.returncode == 0, str(job)
+    assert len(job.lines(r"rank \d: finished")) == 3, str(job)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_an_exception_on_one_rank_ends_the_job():
+    job = run_job("torch_pg_faults.py", "--fault=raise", "--rank=2", ranks=3, runner=False, limit=120,
+                  env={"MPI_GRADREDUCER_ABORT_ON_EXCEPTION": "1"})
+    _ended_promptly(job)
+    assert "RuntimeError: injected failure on rank 2 at step 3" in job.stderr, str(job)
+    assert re.search(r"mpi_gradreducer: rank 2: uncaught RuntimeError; aborting the job", job.stderr), str(job)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_the_watchdog_names_a_stalled_rank_and_ends_the_job():
+    job = run_job("torch_pg_faults.py", "--fault=stall", "--rank=2", "--timeout=2", ranks=3, runner=False,
+                  limit=120)
+    _ended_promptly(job)
+    fired = re.findall(r"mpi_gradreducer: rank (\d): call \d+, allreduce has not completed after [\d.]+ s "
+                       r"\(timeout=2 s\); missing ranks: 2 ", job.stderr)
+    assert fired and "2" not in fired, str(job)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs torch")
+def test_a_killed_rank_ends_the_job():
+    job = run_job("torch_pg_faults.py", "--fault=kill", "--rank=2", "--timeout=5", ranks=3, runner=False,
+                  limit=120)
+    _ended_promptly(job)

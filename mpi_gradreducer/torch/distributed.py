@@ -485,12 +485,12 @@ class MPIProcessGroup(dist.ProcessGroup):
         work = MPIWork(operation, outputs, self._engine)
 
         def job() -> None:
-            if self._validate:
-                self._agree(operation, error, rows)
-            elif error is not None:
-                raise error
-            self._watchdog.arm(lambda: operation, call)
+            self._watchdog.arm(lambda: operation, call)  # the agreement is where a missing rank is waited for
             try:
+                if self._validate:
+                    self._agree(operation, error, rows)
+                elif error is not None:
+                    raise error
                 body()
             finally:
                 self._watchdog.disarm()
