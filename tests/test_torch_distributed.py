@@ -11,6 +11,7 @@ destroyed after it.
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import re
 
 import numpy as np
@@ -519,3 +520,19 @@ def test_a_killed_rank_ends_the_job():
     job = run_job("torch_pg_faults.py", "--fault=kill", "--rank=2", "--timeout=5", ranks=3, runner=False,
                   limit=120)
     _ended_promptly(job)
+
+
+# -- Lightning (a whole job) -----------------------------------------------------------------------------------
+
+HAS_LIGHTNING = HAS_TORCH and importlib.util.find_spec("lightning") is not None
+
+
+@pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning (pip install --no-deps lightning lightning-utilities "
+                                               "torchmetrics pyyaml fsspec tqdm)")
+def test_lightning_trainer_with_ddp_over_the_backend():
+    """``Trainer(strategy=DDPStrategy(process_group_backend="mpi_gradreducer"), MPIEnvironment)``: env:// from MPI."""
+    job = run_job("lightning_ddp.py", ranks=2, runner=False, limit=300)
+    assert job.returncode == 0, str(job)
+    done = job.lines(r"rank (\d): backend (\S+) weights (\S+)")
+    assert sorted(m[1] for m in done) == ["0", "1"], str(job)
+    assert {m[2] for m in done} == {"mpi_gradreducer"} and len({m[3] for m in done}) == 1, str(job)
