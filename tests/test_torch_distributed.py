@@ -386,6 +386,9 @@ def test_a_difference_on_one_rank_raises_on_every_rank(torch, dist, what):
         else:
             dist.all_reduce(t, op=op)
     assert torch.equal(t, before)  # nothing was written
+    if what == "shape":  # the future fails too, as C++ callers (DDP) see it: an error, not a value
+        with pytest.raises(Exception, match="the ranks disagree"):
+            dist.all_reduce(t, async_op=True).get_future().wait()
     same = torch.ones(3, 3)
     dist.all_reduce(same)  # and the group goes on
     assert torch.equal(same, torch.full((3, 3), float(SIZE)))
@@ -536,3 +539,31 @@ def test_lightning_trainer_with_ddp_over_the_backend():
     done = job.lines(r"rank (\d): backend (\S+) weights (\S+)")
     assert sorted(m[1] for m in done) == ["0", "1"], str(job)
     assert {m[2] for m in done} == {"mpi_gradreducer"} and len({m[3] for m in done}) == 1, str(job)
+
+
+# -- a lost rank under ULFM (a whole job, Open MPI) ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ddp_survives_a_killed_rank_with_elastic(tmp_path):
+    """``ElasticGroup``: rank 1 of 4 SIGKILLed mid-training; the 3 survivors remake the group and DDP, and finish."""
+    from elastic_ompi import OmpiJob, kill, wait_for, why_not_here
+
+    reason = why_not_here()
+    if reason is not None:
+        pytest.skip(reason)
+    with OmpiJob("tests/jobs/elastic_ddp.py", "--out", str(tmp_path)) as job:
+        victim = int(wait_for(lambda: (tmp_path / "pid.1").exists() and (tmp_path / "pid.1").read_text(), 300,
+                              "rank 1's pid", job))
+        wait_for(lambda: any("step 3 " in p.read_text() for p in tmp_path.glob("log.*")), 300, "step 3", job)
+        kill(victim)
+        assert job.wait(300) == 0, job.output[-5000:]
+    finals = sorted(tmp_path.glob("final.*.npy"))
+    assert [f.name for f in finals] == ["final.0.npy", "final.2.npy", "final.3.npy"], job.output[-3000:]
+    first = np.load(finals[0])
+    for f in finals[1:]:
+        assert np.array_equal(np.load(f), first), f"{f.name} differs"
+    lost = r"lost rank 1 of 4 .*; 3 ranks go on from the last commit"
+    assert re.search(lost, job.output, re.S), job.output[-3000:]
+    for r in (0, 2, 3):
+        assert (tmp_path / f"log.{r}").read_text().splitlines()[-1] == "step 40 size 3 backend mpi_gradreducer"

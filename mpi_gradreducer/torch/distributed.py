@@ -63,7 +63,8 @@ from .._core.transport import CHUNK_BYTES
 from .._core.watchdog import Watchdog
 from .._core.wire import get_compression
 
-__all__ = ["BACKEND", "NAP_SECONDS", "RENDEZVOUS", "MPIProcessGroup", "MPIWork", "register"]
+__all__ = ["BACKEND", "NAP_SECONDS", "RENDEZVOUS", "ElasticGroup", "MPIProcessGroup", "MPIWork",
+           "init_process_group", "register"]
 
 #: The backend's name, as ``init_process_group`` and ``new_group`` take it.
 BACKEND = "mpi_gradreducer"
@@ -128,6 +129,38 @@ def _mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(m
     raise RuntimeError(f"the {RENDEZVOUS}:// rendezvous cannot be repeated")
 
 
+def init_process_group(comm: MPI.Intracomm | None = None, options: Options | None = None,
+                       timeout: datetime.timedelta | None = None) -> None:
+    """Make ``torch.distributed``'s default process group over the ranks of ``comm`` (collective).
+
+    ``init_process_group("mpi_gradreducer", init_method="mpi://")`` does the
+    same over ``MPI.COMM_WORLD``; this one takes any intracommunicator, such
+    as the survivors' after a lost rank (:class:`ElasticGroup`). Rank ``r`` of
+    ``comm`` is rank ``r`` of the group; the store is a ``TCPStore`` on an
+    address of ``comm``'s rank 0 that every rank reaches.
+
+    Args:
+        comm: the ranks; default ``MPI.COMM_WORLD``.
+        options: the group's options (see :class:`MPIProcessGroup`).
+        timeout: torch's timeout for the group (default 30 minutes).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    timeout = datetime.timedelta(minutes=30) if timeout is None else timeout
+    meet = tcp_rendezvous(comm)
+    rank, size = comm.Get_rank(), comm.Get_size()
+    store = dist.TCPStore(meet.address, meet.port, size, is_master=rank == 0, timeout=timeout,
+                          wait_for_workers=False)
+    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=size, timeout=timeout,
+                            pg_options=_Over(comm, options))
+
+
+class _Over:
+    """``pg_options`` that carry the communicator a default group is made over (:func:`init_process_group`)."""
+
+    def __init__(self, comm: MPI.Intracomm, options: Options | None) -> None:
+        self.comm, self.options = comm, options
+
+
 def _create(opts: Any, options: Any) -> MPIProcessGroup:
     """The backend's creator (torch's extended API): the process group of ``opts.global_ranks_in_group``."""
     rank, size = int(opts.group_rank), int(opts.group_size)
@@ -136,10 +169,13 @@ def _create(opts: Any, options: Any) -> MPIProcessGroup:
         raise RuntimeError(f"{BACKEND}: needs MPI_THREAD_MULTIPLE (its communication thread), which MPI did not "
                            "grant; leave mpi4py.rc.thread_level at its default")
     world = MPI.COMM_WORLD
+    if isinstance(options, _Over):
+        world, options = options.comm, options.options
+        members = []
     if not members or members == list(range(world.Get_size())) and not _is_ours(dist.group.WORLD):
         if world.Get_size() != size:
             raise RuntimeError(
-                f"{BACKEND}: torch.distributed says world size {size} (rank {rank}), but MPI's COMM_WORLD has "
+                f"{BACKEND}: torch.distributed says world size {size} (rank {rank}), but the MPI communicator has "
                 f"{world.Get_size()} processes: start every rank with mpiexec (or srun --mpi=pmi2), not torchrun")
         comm = world.Split(0, rank)  # our own duplicate, ranked as torch ranks them
     else:
@@ -184,8 +220,11 @@ class MPIWork(dist._Work):
         self._engine = engine
         devices: list[int | str | torch.device] = [
             d for d in sorted({str(t.device) for t in outputs if t.device.type == "cuda"})]
-        self._future: torch.futures.Future[list[torch.Tensor]] = (
+        # torch's Future.set_exception stores the exception as the value, which C++ callers (DDP's reducer)
+        # take for a result (and crash on): an error raised in a callback of then() is a real one.
+        self._inner: torch.futures.Future[tuple[list[torch.Tensor], BaseException | None]] = (
             torch.futures.Future(devices=devices) if devices else torch.futures.Future())
+        self._future: torch.futures.Future[list[torch.Tensor]] = self._inner.then(_unwrap)
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._source = -1
@@ -240,12 +279,16 @@ class MPIWork(dist._Work):
     def _finish(self, error: BaseException | None) -> None:
         self._error = error
         try:
-            if error is None:
-                self._future.set_result(self._outputs)  # runs the future's callbacks (DDP's) on this thread
-            else:
-                self._future.set_exception(error)  # type: ignore[arg-type]
+            self._inner.set_result((self._outputs, error))  # runs the future's callbacks (DDP's) on this thread
         finally:
             self._done.set()
+
+
+def _unwrap(done: torch.futures.Future[tuple[list[torch.Tensor], BaseException | None]]) -> list[torch.Tensor]:
+    outputs, error = done.value()
+    if error is not None:
+        raise error
+    return outputs
 
 
 class _Engine:
@@ -256,6 +299,8 @@ class _Engine:
         self.polling.computing(True)
         self._waiters = 0
         self._lock = threading.Lock()
+        #: The last MPI error a job of this thread raised (a lost rank, a revoked communicator), or None.
+        self.mpi_error: MPI.Exception | None = None
         self._jobs: queue.SimpleQueue[tuple[MPIWork, Callable[[], None]] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -273,10 +318,11 @@ class _Engine:
             self._waiters += delta
             self.polling.computing(self._waiters == 0)
 
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
+        """Stop the thread after the jobs queued (waiting at most ``wait`` seconds; None: for ever)."""
         self._jobs.put(None)
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(wait)
 
     def _run(self) -> None:
         while True:
@@ -287,6 +333,8 @@ class _Engine:
             try:
                 job()
             except BaseException as exc:  # handed to the caller through the work
+                if isinstance(exc, MPI.Exception):
+                    self.mpi_error = exc
                 work._finish(exc)
             else:
                 work._finish(None)
@@ -1089,22 +1137,90 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     # -- life --
 
+    @property
+    def mpi_error(self) -> MPI.Exception | None:
+        """The last MPI error a call of this group raised (a lost rank, a revoked communicator), or None."""
+        return self._engine.mpi_error or self._p2p_engine.mpi_error
+
+    def communicators(self) -> Iterator[MPI.Comm]:
+        """The group's own communicators: those a failure must revoke (:class:`ElasticGroup`)."""
+        yield from (self._comm, self._spawner, self._p2p)
+
     def shutdown(self) -> None:
-        """Finish the queued calls, stop the threads and the watchdog, free the communicators (local)."""
+        """Finish the queued calls, stop the threads and the watchdog, free the communicators (local).
+
+        After a lost rank, once :mod:`mpi_gradreducer.elastic` has revoked the
+        communicators, the queued calls fail at once, and Open MPI with ULFM
+        frees a revoked communicator without its peers.
+        """
         if self._closed:
             return
         self._closed = True
         self._engine.close()
-        self._p2p_engine.close()
+        self._p2p_engine.close(wait=0.0 if self.mpi_error is not None else None)
         self._watchdog.close()
         for summer in self._halves.values():
             summer.compression.free()
         for comm in (self._p2p, self._spawner, self._comm):
-            comm.Free()
+            try:
+                comm.Free()
+            except MPI.Exception:
+                if self.mpi_error is None:
+                    raise
 
     def abort(self) -> None:
         """As :meth:`shutdown` (MPI cannot cancel a collective in flight)."""
         self.shutdown()
+
+
+class ElasticGroup:
+    """``torch.distributed``'s default group of this backend, made again over each new communicator of
+    :mod:`mpi_gradreducer.elastic` (Open MPI with ULFM: ``mpiexec --with-ft ulfm``)::
+
+        state = elastic.ArrayState([p.detach().numpy() for p in model.parameters()], step=0)
+        group = ElasticGroup(state)          # makes the default group over state.comm, tracked by its world
+        state.register_reset_callbacks([make_ddp])  # DDP made again over the new group
+
+        @elastic.run(failure=group.failed)
+        def train(state): ...
+
+    Construction is collective over ``state.comm``. Only the default group is
+    made again; groups made with ``new_group`` must be made again by a reset
+    callback.
+
+    Args:
+        state: the elastic state whose world's communicator the group follows.
+        options: the group's options (see :class:`MPIProcessGroup`).
+        timeout: torch's timeout for the group.
+    """
+
+    def __init__(self, state: Any, options: Options | None = None,
+                 timeout: datetime.timedelta | None = None) -> None:
+        self.options, self.timeout = options, timeout
+        init_process_group(state.comm, options, timeout)
+        state.world.track(self)
+
+    def communicators(self) -> Iterator[MPI.Comm]:
+        """The default group's communicators (revoked by the world after a lost rank)."""
+        pg = dist.group.WORLD if dist.is_initialized() else None
+        if isinstance(pg, MPIProcessGroup):
+            yield from pg.communicators()
+
+    def rebuild(self, comm: MPI.Intracomm) -> None:
+        """Drop the default group (no collective) and make it again over ``comm`` (collective)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        init_process_group(comm, self.options, self.timeout)
+
+    @staticmethod
+    def failed(exc: BaseException) -> bool:
+        """For ``elastic.run(failure=...)``: whether the default group's calls met an MPI error.
+
+        DDP hands the backend's errors on as ``RuntimeError`` with their text
+        only; the group keeps the MPI error itself.
+        """
+        pg = dist.group.WORLD if dist.is_initialized() else None
+        return isinstance(pg, MPIProcessGroup) and pg.mpi_error is not None
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
