@@ -14,6 +14,7 @@ and its ratio to DDP over gloo.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -38,12 +39,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, float]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from .._core.rendezvous import tcp_rendezvous
     from ..torch import DistributedOptimizer
     from ..torch.distributed import BACKEND
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     dist.init_process_group(BACKEND, init_method="mpi://")
+    interface = tcp_rendezvous(comm).interface  # gloo's own choice may be loopback (host names that resolve so)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     gloo = dist.new_group(backend="gloo")
     g = torch.Generator().manual_seed(comm.Get_rank())
     x = torch.randn(args.batch, args.width, generator=g)
