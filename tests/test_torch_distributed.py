@@ -23,7 +23,7 @@ SIZE, RANK = WORLD.Get_size(), WORLD.Get_rank()
 TOLERANCE = 1e-9
 REDUCTIONS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 DTYPES = ("float16", "bfloat16", "float32", "float64", "complex64", "complex128", "int8", "uint8", "int16", "int32",
-          "int64", "bool")
+          "int64", "bool", "uint16", "uint32", "uint64")
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +184,15 @@ def test_reduce_scatter_and_reduce_scatter_tensor(torch, dist, dtype_name, op):
     out2 = torch.empty(n, dtype=whole.dtype)
     dist.reduce_scatter(out2, list(whole.split(n)), op=getattr(dist.ReduceOp, op))
     _close(_numpy(out2), want, dtype_name)
+    from torch.distributed.distributed_c10d import _coalescing_manager
+
+    outs = [torch.empty(n, dtype=whole.dtype) for _ in range(2)]
+    with _coalescing_manager(async_ops=True) as cm:
+        for o in outs:
+            dist.reduce_scatter_tensor(o, whole, op=getattr(dist.ReduceOp, op))
+    cm.wait()
+    for o in outs:
+        _close(_numpy(o), want, dtype_name)
 
 
 # -- data movement ---------------------------------------------------------------------------------------------
