@@ -20,14 +20,14 @@ How a call runs. Every process group owns a duplicate of its communicator
 communication thread and the package's watchdog. A collective is checked
 and staged on the caller's thread (a contiguous host tensor for a strided
 or CUDA one), queued, and returns an :class:`MPIWork` at once; the thread
-runs the queue in order: the ranks agree (:mod:`~mpi_gradreducer._core.agreement`:
+runs the queue in order: the ranks agree (``_core.agreement``:
 one small ``Allreduce``; a shape, dtype or operation that differs on one
 rank raises the same ``ValueError`` on every rank, naming both ranks), then
 nonblocking MPI calls move the bytes, completed the package's way
-(:class:`~mpi_gradreducer._core.polling.Polling`: tests with naps while the
+(``_core.polling.Polling``: tests with naps while the
 training thread computes, MPI's own wait while a caller waits). float16 and
 bfloat16 sums go through the package's 16-bit summer
-(:class:`~mpi_gradreducer._core.halves.SliceSum`: float32 sums, rounded once).
+(``_core.halves.SliceSum``: float32 sums, rounded once).
 Point-to-point calls are posted at once on a second duplicate and completed
 by a thread of their own.
 
@@ -69,7 +69,7 @@ __all__ = ["ACROSS_HOSTS_IN_FLIGHT", "BACKEND", "NAP_SECONDS", "RENDEZVOUS", "El
 
 #: The backend's name, as ``init_process_group`` and ``new_group`` take it.
 BACKEND = "mpi_gradreducer"
-#: The rendezvous scheme whose store comes from MPI alone: ``init_method="mpi://"``.
+#: The rendezvous scheme whose store comes from MPI alone, as in ``init_method="mpi://"``.
 RENDEZVOUS = "mpi"
 
 #: The communication thread's nap between tests of a request while no caller waits in :meth:`MPIWork.wait`
