@@ -10,9 +10,19 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["raise_if_any", "check_same"]
+__all__ = ["ChecksDiffer", "raise_if_any", "check_same"]
 
 _MESSAGE_BYTES = 2048
+
+
+class ChecksDiffer(ValueError):
+    """Raised by :func:`raise_if_any` on every rank when no rank failed but ``checks`` differ between ranks.
+
+    A caller that wants to say *what* differs can catch it, on every rank
+    alike, and run the costlier :func:`check_same`.
+    """
+
+
 _KINDS = (ValueError, TypeError, RuntimeError)
 
 
@@ -29,7 +39,8 @@ def raise_if_any(
         comm: the communicator whose ranks must agree.
         error: this rank's error, or None.
         checks: ints that must be equal on every rank (e.g. a hash of the
-            call's structure); a difference raises ``ValueError`` everywhere.
+            call's structure); a difference raises :class:`ChecksDiffer` (a
+            ``ValueError``) everywhere.
 
     Raises:
         ValueError, TypeError or RuntimeError: as raised by the failing rank.
@@ -47,7 +58,7 @@ def raise_if_any(
         raise error
     if failed == size:
         if n and not np.array_equal(vec[1 : 1 + n], -vec[1 + n :]):
-            raise ValueError(
+            raise ChecksDiffer(
                 "the ranks passed different values for arguments that must be the same on every rank; "
                 "pass the same on every rank"
             )

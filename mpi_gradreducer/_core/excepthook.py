@@ -88,6 +88,14 @@ class UncaughtAbort:
             previous(exc_type, exc, tb)
         finally:
             if self._count > 0:
+                captured = getattr(sys.stderr, "getvalue", None)
+                if sys.stderr is not sys.__stderr__ and callable(captured):
+                    # A hook chained over this one captures stderr while it calls this one (torch.distributed's
+                    # prefixes each line with the rank): write the traceback out before the process ends.
+                    try:
+                        os.write(2, str(captured()).encode())
+                    except Exception:
+                        pass
                 try:
                     sys.stderr.flush()
                 except Exception:

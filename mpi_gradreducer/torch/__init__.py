@@ -39,8 +39,11 @@ layout and the misuse they report), ``functions``
 and ``tensors`` (tensors compared across ranks, and viewed as bytes).
 """
 
+from . import distributed
 from .functions import broadcast_optimizer_state, broadcast_parameters, clip_grad_norm_, init_gloo
 from .optimizer import DistributedOptimizer
+
+distributed.register()  # torch.distributed's backend "mpi_gradreducer" and rendezvous "mpi://"
 
 __all__ = ["DistributedOptimizer", "broadcast_optimizer_state", "broadcast_parameters", "clip_grad_norm_",
            "init_gloo"]
