@@ -140,7 +140,7 @@ def _claims_for_this_library() -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("via", ["check", "reducer", "hvd", "torch"])
+@pytest.mark.parametrize("via", ["check", "reducer", "hvd", "torch", "torch-backend"])
 @pytest.mark.parametrize("which", ["slurm step", "another MPI's launcher"])
 def test_two_singletons_both_stop_before_training(which, via):
     if MPI.COMM_WORLD.Get_size() > 1:

@@ -59,6 +59,7 @@ from .._core.halves import SliceSum
 from .._core.options import TIMEOUT_ENV, Options, resolve
 from .._core.polling import Polling
 from .._core.rendezvous import tcp_rendezvous
+from .._core.singleton import check_not_singleton
 from .._core.topology import Topology
 from .._core.transport import CHUNK_BYTES, CHUNK_BYTES_ACROSS_HOSTS
 from .._core.watchdog import Watchdog
@@ -120,6 +121,7 @@ def register() -> None:
 def _mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
                     **_: Any) -> Iterator[tuple[dist.Store, int, int]]:
     """``mpi://``: rank and size from ``MPI.COMM_WORLD``, a ``TCPStore`` on rank 0 (collective)."""
+    check_not_singleton()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     query = parse_qs(urlparse(url).query)
@@ -169,6 +171,7 @@ class _Over:
 
 def _create(opts: Any, options: Any) -> MPIProcessGroup:
     """The backend's creator (torch's extended API): the process group of ``opts.global_ranks_in_group``."""
+    check_not_singleton()
     rank, size = int(opts.group_rank), int(opts.group_size)
     members = [int(r) for r in opts.global_ranks_in_group]
     if MPI.Query_thread() < MPI.THREAD_MULTIPLE:

@@ -4,8 +4,9 @@ Started N times without ``mpiexec`` (each its own world of size 1), with a
 launcher's variables set, it must stop with the singleton error before it
 trains; started by a launcher the MPI library understands, every rank trains.
 ``--via`` picks who checks: ``check`` (``check_not_singleton``, called here),
-``reducer`` (the first ``DistributedGradReducer``), ``hvd`` (``hvd.init``) or
-``torch`` (``mpi_gradreducer.torch.init_gloo``, the ``torch.distributed`` process group). Output lines::
+``reducer`` (the first ``DistributedGradReducer``), ``hvd`` (``hvd.init``),
+``torch`` (``mpi_gradreducer.torch.init_gloo``, a gloo process group) or
+``torch-backend`` (``init_process_group("mpi_gradreducer", init_method="mpi://")``). Output lines::
 
     probe RANK of SIZE | task TASK | host HOST    # started; TASK: the launcher's task id, if any
     trained RANK of SIZE | mean M                 # trained: M is the mean of the ranks, on every rank
@@ -26,7 +27,7 @@ from mpi_gradreducer._core.singleton import check_not_singleton
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--via", choices=["check", "reducer", "hvd", "torch"], default="check")
+    parser.add_argument("--via", choices=["check", "reducer", "hvd", "torch", "torch-backend"], default="check")
     args = parser.parse_args()
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
@@ -49,6 +50,16 @@ def main() -> int:
 
             hvd.init()
             hvd.shutdown()
+            from mpi_gradreducer import DistributedGradReducer
+
+            reducer = DistributedGradReducer(grads)
+        elif args.via == "torch-backend":
+            import torch.distributed as dist
+
+            import mpi_gradreducer.torch  # noqa: F401 (registers the backend)
+
+            dist.init_process_group("mpi_gradreducer", init_method="mpi://")
+            dist.destroy_process_group()
             from mpi_gradreducer import DistributedGradReducer
 
             reducer = DistributedGradReducer(grads)
