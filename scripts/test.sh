@@ -150,7 +150,8 @@ echo "== Open MPI, one process: the tests that launch jobs, the fault tests $(el
 timeout --kill-after=10 900 python -m pytest -q -p no:cacheprovider "${jobs[@]}" --with-mpi -rs
 echo "== Open MPI with fault tolerance: elastic mode (ranks SIGKILLed from outside; the survivors go on) $(elapsed)"
 MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 1200 python -m pytest -q -p no:cacheprovider -rsx \
-  tests/test_elastic.py tests/test_elastic_windows.py tests/test_elastic_torch.py
+  tests/test_elastic.py tests/test_elastic_windows.py tests/test_elastic_torch.py \
+  tests/test_torch_distributed.py::test_ddp_survives_a_killed_rank_with_elastic
 hosts "Open MPI" mgrcio
 use "$venv"
 slurm

@@ -539,8 +539,7 @@ def test_a_killed_rank_ends_the_job():
 HAS_LIGHTNING = HAS_TORCH and importlib.util.find_spec("lightning") is not None
 
 
-@pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning (pip install --no-deps lightning lightning-utilities "
-                                               "torchmetrics pyyaml fsspec tqdm)")
+@pytest.mark.skipif(not HAS_LIGHTNING, reason="needs lightning (the test extra installs it)")
 def test_lightning_trainer_with_ddp_over_the_backend():
     """``Trainer(strategy=DDPStrategy(process_group_backend="mpi_gradreducer"), MPIEnvironment)``: env:// from MPI."""
     job = run_job("lightning_ddp.py", ranks=2, runner=False, limit=300)
