@@ -34,7 +34,7 @@ from .reducer import DistributedGradReducer, ReducerStats
 
 #: This version of the package, written only here (setup.cfg and the docs read it).
 #: A string such as "0.5.0".
-__version__ = "0.7.0"
+__version__ = "0.8.0"
 
 __all__ = [
     "Bucket",
