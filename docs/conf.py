@@ -44,7 +44,7 @@ intersphinx_mapping: dict[str, tuple[str, str | None]] = {}
 nitpick_ignore_regex = [
     (r"py:.*", r"(numpy|np|cupy|torch|MPI|mpi4py|ml_dtypes)(\..*)?"),
     (r"py:.*", r"(Any|Callable|Iterable|Iterator|Sequence|Mapping|Hashable|NDArray|ArrayLike|Self)"),
-    (r"py:.*", r"(collections\.abc|typing|types|weakref|threading|contextlib)\..*"),
+    (r"py:.*", r"(collections\.abc|typing|types|weakref|threading|contextlib|datetime)\..*"),
     (r"py:class", r"_Default"),  # the reducer's "not given: the field of options applies"
     # internal types that public signatures mention: users never build them
     (r"py:class", r"(mpi_gradreducer\.)?(shard\.)?Sharder|(mpi_gradreducer\.)?(planning\.)?ParamSpec|Summers?"),

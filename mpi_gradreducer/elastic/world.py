@@ -113,7 +113,8 @@ class World:
         self._guarded = False
         #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
         self.recovery_seconds = 0.0
-        #: The loss that the last shrink made up for (known before the rebuild: a recovery cut short still names it).
+        #: The loss that the last shrink made up for, known before the rebuild, so that a recovery cut short
+        #: still names it.
         self.shrunk: RanksLost | None = None
 
     # -- objects rebuilt on each new communicator ---------------------------------------------

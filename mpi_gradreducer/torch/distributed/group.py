@@ -1,458 +1,50 @@
-"""A ``torch.distributed`` backend over MPI: ``ProcessGroup`` calls translated onto the package's collectives.
-
-``import mpi_gradreducer.torch`` registers the backend ``"mpi_gradreducer"``
-(CPU and CUDA tensors) and the rendezvous ``mpi://``. Under ``mpiexec``::
-
-    import torch.distributed as dist
-    import mpi_gradreducer.torch  # registers the backend
-
-    dist.init_process_group("mpi_gradreducer", init_method="mpi://")  # rank and size from MPI
-
-``init_method="mpi://"`` is needed because ``init_process_group`` skips its
-rendezvous only for torch's own MPI backend: every other backend gets a
-store, by default from ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``,
-``RANK``, ``WORLD_SIZE``), which works as well, as torchrun, Lightning's
-``MPIEnvironment`` and Accelerate set it. ``mpi://`` makes that store (a
-``TCPStore`` on an address of rank 0 that every rank reaches) from MPI alone.
-
-How a call runs. Every process group owns a duplicate of its communicator
-(the world's, or an MPI sub-communicator for ``new_group``), a
-communication thread and the package's watchdog. A collective is checked
-and staged on the caller's thread (a contiguous host tensor for a strided
-or CUDA one), queued, and returns an :class:`MPIWork` at once; the thread
-runs the queue in order: the ranks agree (``_core.agreement``:
-one small ``Allreduce``; a shape, dtype or operation that differs on one
-rank raises the same ``ValueError`` on every rank, naming both ranks), then
-nonblocking MPI calls move the bytes, completed the package's way
-(``_core.polling.Polling``: tests with naps while the
-training thread computes, MPI's own wait while a caller waits). float16 and
-bfloat16 sums go through the package's 16-bit summer
-(``_core.halves.SliceSum``: float32 sums, rounded once).
-Point-to-point calls are posted at once on a second duplicate and completed
-by a thread of their own.
-
-Options: ``init_process_group(..., pg_options=mpi_gradreducer.Options(...))``
-(or ``new_group(..., pg_options=...)``) reads ``validate`` (``"never"``:
-no agreement before each collective, the fastest, but a mismatch then hangs
-or corrupts as with any MPI program), ``timeout`` (the watchdog's; default:
-the process group's own timeout) and ``stall_warning``.
-"""
+"""``MPIProcessGroup``: every ``ProcessGroup`` call of torch on the package's collectives."""
 
 from __future__ import annotations
 
 import datetime
-import os
-import queue
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
-from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .._core import agreement, interop
-from .._core.dtypes import digest
-from .._core.halves import SliceSum
-from .._core.options import TIMEOUT_ENV, Options, resolve
-from .._core.polling import Polling
-from .._core.rendezvous import tcp_rendezvous
-from .._core.singleton import check_not_singleton
-from .._core.topology import Topology
-from .._core.transport import CHUNK_BYTES, CHUNK_BYTES_ACROSS_HOSTS
-from .._core.watchdog import Watchdog
-from .._core.wire import get_compression
+from ..._core import agreement
+from ..._core.dtypes import digest
+from ..._core.halves import SliceSum
+from ..._core.options import TIMEOUT_ENV, Options, resolve
+from ..._core.topology import Topology
+from ..._core.transport import CHUNK_BYTES, CHUNK_BYTES_ACROSS_HOSTS
+from ..._core.watchdog import Watchdog
+from ..._core.wire import get_compression
+from .basics import (
+    _BOOL_OPS,
+    _HALVES,
+    _MPI_OPS,
+    _MPI_TYPES,
+    _OPERATIONS,
+    _REDUCTIONS,
+    BACKEND,
+    _apart,
+    _as_list,
+    _check_reducible,
+    _chunks,
+    _displacements,
+    _dtype_name,
+    _env_has,
+    _Host,
+    _reduction,
+    _row,
+    _tensor,
+)
+from .work import MPIWork, _Engine
 
-__all__ = ["ACROSS_HOSTS_IN_FLIGHT", "BACKEND", "NAP_SECONDS", "RENDEZVOUS", "ElasticGroup", "MPIProcessGroup",
-           "MPIWork", "init_process_group", "register"]
-
-#: The backend's name, as ``init_process_group`` and ``new_group`` take it.
-BACKEND = "mpi_gradreducer"
-#: The rendezvous scheme whose store comes from MPI alone, as in ``init_method="mpi://"``.
-RENDEZVOUS = "mpi"
-
-#: The communication thread's nap between tests of a request while no caller waits in :meth:`MPIWork.wait`
-#: (DDP waits on the future, in C++, unseen). DDP over this backend over DDP over gloo
-#: (``python -m mpi_gradreducer.bench.torch_ddp``, 2 ranks, interleaved runs on a loaded 2-core machine):
-#: 0.81, 0.85, 1.09 with 50 us naps; 0.98, 1.00, 1.09, 1.18 with the reducer's 250 us; 0.81, 1.01 with 10 us.
-NAP_SECONDS = 50e-6
 #: Where a group spans several hosts, its all-reduces go in chunks of ``CHUNK_BYTES_ACROSS_HOSTS`` (1 MiB), this
-#: many in flight. DDP over this backend over DDP over gloo, 2 hosts x 1 rank at 1 Gbit/s
-#: (``scripts/cluster.py run --hosts 2 --ppn 1 --rate 1gbit -- python -m mpi_gradreducer.bench.torch_ddp``):
-#: 1.07, 1.01 with 1 MiB x 4; 1.05 with 256 KiB x 8; 1.25 with 1 MiB x 2; 1.21, 1.05 with 4 MiB x 1.
+#: many in flight, which keeps the links busy (chosen with the DDP benchmark across hosts; the runs:
+#: CHANGELOG, 0.8.0).
 ACROSS_HOSTS_IN_FLIGHT = 4
-
-_OPERATIONS = ("allreduce", "broadcast", "reduce", "allgather", "all_gather_into_tensor", "gather", "scatter",
-               "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier")
-_REDUCTIONS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128,
-           torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool, torch.uint16, torch.uint32,
-           torch.uint64)
-_HALVES = (torch.float16, torch.bfloat16)
-#: The MPI datatype in which each dtype that MPI can reduce is reduced (besides the 16-bit floats).
-_MPI_TYPES: dict[torch.dtype, MPI.Datatype] = {
-    torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE, torch.complex64: MPI.C_FLOAT_COMPLEX,
-    torch.complex128: MPI.C_DOUBLE_COMPLEX, torch.int8: MPI.INT8_T, torch.uint8: MPI.UINT8_T,
-    torch.int16: MPI.INT16_T, torch.int32: MPI.INT32_T, torch.int64: MPI.INT64_T, torch.uint16: MPI.UINT16_T,
-    torch.uint32: MPI.UINT32_T, torch.uint64: MPI.UINT64_T, torch.bool: MPI.C_BOOL,
-}
-_MPI_OPS = {"SUM": MPI.SUM, "AVG": MPI.SUM, "PRODUCT": MPI.PROD, "MIN": MPI.MIN, "MAX": MPI.MAX,
-            "BAND": MPI.BAND, "BOR": MPI.BOR, "BXOR": MPI.BXOR}
-#: bool tensors: torch's sum and max are "or", product and min are "and".
-_BOOL_OPS = {"SUM": MPI.LOR, "MAX": MPI.LOR, "BOR": MPI.LOR, "PRODUCT": MPI.LAND, "MIN": MPI.LAND,
-             "BAND": MPI.LAND, "BXOR": MPI.LXOR}
-
-
-def register() -> None:
-    """Register the backend ``"mpi_gradreducer"`` (CPU and CUDA) and the rendezvous ``mpi://`` with torch.
-
-    Idempotent; ``import mpi_gradreducer.torch`` calls it.
-    """
-    if not hasattr(dist.Backend, BACKEND.upper()):
-        dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
-    try:
-        dist.register_rendezvous_handler(RENDEZVOUS, _mpi_rendezvous)
-    except RuntimeError:  # registered already
-        pass
-
-
-def _mpi_rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-                    **_: Any) -> Iterator[tuple[dist.Store, int, int]]:
-    """``mpi://``: rank and size from ``MPI.COMM_WORLD``, a ``TCPStore`` on rank 0 (collective)."""
-    check_not_singleton()
-    world = MPI.COMM_WORLD
-    rank, size = world.Get_rank(), world.Get_size()
-    query = parse_qs(urlparse(url).query)
-    for key, mine in (("rank", rank), ("world_size", size)):
-        given = int(query.get(key, ["-1"])[0])
-        if given not in (-1, mine):
-            raise ValueError(f"init_process_group: {key}={given} was given, but MPI says {mine} (rank {rank}); "
-                             f"with init_method='{RENDEZVOUS}://' leave rank and world_size out")
-    meet = tcp_rendezvous(world)
-    store = dist.TCPStore(meet.address, meet.port, size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    yield store, rank, size
-    raise RuntimeError(f"the {RENDEZVOUS}:// rendezvous cannot be repeated")
-
-
-def init_process_group(comm: MPI.Intracomm | None = None, options: Options | None = None,
-                       timeout: datetime.timedelta | None = None) -> None:
-    """Make ``torch.distributed``'s default process group over the ranks of ``comm`` (collective).
-
-    ``init_process_group("mpi_gradreducer", init_method="mpi://")`` does the
-    same over ``MPI.COMM_WORLD``; this one takes any intracommunicator, such
-    as the survivors' after a lost rank (:class:`ElasticGroup`). Rank ``r`` of
-    ``comm`` is rank ``r`` of the group; the store is a ``TCPStore`` on an
-    address of ``comm``'s rank 0 that every rank reaches.
-
-    Args:
-        comm: the ranks; default ``MPI.COMM_WORLD``.
-        options: the group's options (see :class:`MPIProcessGroup`).
-        timeout: torch's timeout for the group (default 30 minutes).
-    """
-    comm = MPI.COMM_WORLD if comm is None else comm
-    timeout = datetime.timedelta(minutes=30) if timeout is None else timeout
-    meet = tcp_rendezvous(comm)
-    rank, size = comm.Get_rank(), comm.Get_size()
-    store = dist.TCPStore(meet.address, meet.port, size, is_master=rank == 0, timeout=timeout,
-                          wait_for_workers=False)
-    dist.init_process_group(BACKEND, store=store, rank=rank, world_size=size, timeout=timeout,
-                            pg_options=_Over(comm, options))
-
-
-class _Over:
-    """``pg_options`` that carry the communicator a default group is made over (:func:`init_process_group`)."""
-
-    def __init__(self, comm: MPI.Intracomm, options: Options | None) -> None:
-        self.comm, self.options = comm, options
-
-
-def _create(opts: Any, options: Any) -> MPIProcessGroup:
-    """The backend's creator (torch's extended API): the process group of ``opts.global_ranks_in_group``."""
-    check_not_singleton()
-    rank, size = int(opts.group_rank), int(opts.group_size)
-    members = [int(r) for r in opts.global_ranks_in_group]
-    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
-        raise RuntimeError(f"{BACKEND}: needs MPI_THREAD_MULTIPLE (its communication thread), which MPI did not "
-                           "grant; leave mpi4py.rc.thread_level at its default")
-    world = MPI.COMM_WORLD
-    if isinstance(options, _Over):
-        world, options = options.comm, options.options
-        members = []
-    if not members or members == list(range(world.Get_size())) and not _is_ours(dist.group.WORLD):
-        if world.Get_size() != size:
-            raise RuntimeError(
-                f"{BACKEND}: torch.distributed says world size {size} (rank {rank}), but the MPI communicator has "
-                f"{world.Get_size()} processes: start every rank with mpiexec (or srun --mpi=pmi2), not torchrun")
-        comm = world.Split(0, rank)  # our own duplicate, ranked as torch ranks them
-    else:
-        parent = dist.group.WORLD
-        if _is_ours(parent):
-            spawner = parent._spawner  # type: ignore[union-attr]
-        else:  # the default group is another backend's: its ranks must be MPI's
-            spawner = world
-            if dist.get_rank() != world.Get_rank():
-                raise RuntimeError(f"new_group(backend={BACKEND!r}): the default group's rank {dist.get_rank()} "
-                                   f"is not MPI's rank {world.Get_rank()}; start the job with mpiexec")
-        made = spawner.Create_group(spawner.Get_group().Incl(members))
-        assert isinstance(made, MPI.Intracomm)
-        comm = made
-    if comm.Get_rank() != rank or comm.Get_size() != size:
-        raise RuntimeError(f"{BACKEND}: the communicator has rank {comm.Get_rank()} of {comm.Get_size()} where "
-                           f"torch expects rank {rank} of {size}")
-    assert isinstance(comm, MPI.Intracomm)
-    return MPIProcessGroup(comm, options, timeout=opts.timeout)
-
-
-def _is_ours(pg: Any) -> bool:
-    return isinstance(pg, MPIProcessGroup)
-
-
-# -- work -----------------------------------------------------------------------------------------
-
-
-class MPIWork(dist._Work):
-    """The handle of one call: completed by the communication thread; ``wait``, ``is_completed``, ``get_future``.
-
-    Args:
-        operation: the call's name, for messages.
-        outputs: the tensors the call writes (its future's value).
-        engine: the thread that completes it (told when a caller waits).
-    """
-
-    def __init__(self, operation: str, outputs: list[torch.Tensor], engine: _Engine) -> None:
-        super().__init__()
-        self.operation = operation
-        self._outputs = outputs
-        self._engine = engine
-        devices: list[int | str | torch.device] = [
-            d for d in sorted({str(t.device) for t in outputs if t.device.type == "cuda"})]
-        # torch's Future.set_exception stores the exception as the value, which C++ callers (DDP's reducer)
-        # take for a result (and crash on): an error raised in a callback of then() is a real one.
-        self._inner: torch.futures.Future[tuple[list[torch.Tensor], BaseException | None]] = (
-            torch.futures.Future(devices=devices) if devices else torch.futures.Future())
-        self._future: torch.futures.Future[list[torch.Tensor]] = self._inner.then(_unwrap)
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._source = -1
-
-    def wait(self, timeout: datetime.timedelta | float | None = None) -> bool:
-        """Block until the call has completed; raise its error.
-
-        Args:
-            timeout: a ``timedelta`` or seconds; None or zero waits for ever.
-
-        Raises:
-            RuntimeError: not completed within ``timeout`` (the call goes on).
-            ValueError, TypeError, RuntimeError: the call's own error, raised on every rank alike.
-        """
-        seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
-        if not self._done.is_set():
-            with self._engine.waiting():
-                finished = self._done.wait(seconds if seconds else None)
-            if not finished:
-                raise RuntimeError(f"{BACKEND}: {self.operation} did not complete within {seconds:g} s "
-                                   "(wait(timeout)); it goes on in the background")
-        if self._error is not None:
-            raise self._error
-        return True
-
-    def is_completed(self) -> bool:
-        """Whether the call has completed (successfully or not)."""
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        """Whether the call has completed without an error."""
-        return self._done.is_set() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        """The call's error once it has completed with one, else None."""
-        return self._error
-
-    def get_future(self) -> torch.futures.Future[list[torch.Tensor]]:
-        """A future of the call's output tensors, completed by the communication thread."""
-        return self._future
-
-    def result(self) -> list[torch.Tensor]:
-        """The output tensors (after :meth:`wait`)."""
-        return self._outputs
-
-    def source_rank(self) -> int:
-        """The rank a ``recv`` from any source received from (-1 before it completed)."""
-        return self._source
-
-    _source_rank = source_rank
-
-    def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        try:
-            self._inner.set_result((self._outputs, error))  # runs the future's callbacks (DDP's) on this thread
-        finally:
-            self._done.set()
-
-
-def _unwrap(done: torch.futures.Future[tuple[list[torch.Tensor], BaseException | None]]) -> list[torch.Tensor]:
-    outputs, error = done.value()
-    if error is not None:
-        raise error
-    return outputs
-
-
-class _Engine:
-    """One thread that runs a process group's jobs in the order they were queued."""
-
-    def __init__(self, name: str) -> None:
-        self.polling = Polling(NAP_SECONDS)
-        self.polling.computing(True)
-        self._waiters = 0
-        self._lock = threading.Lock()
-        #: The last MPI error a job of this thread raised (a lost rank, a revoked communicator), or None.
-        self.mpi_error: MPI.Exception | None = None
-        self._jobs: queue.SimpleQueue[tuple[MPIWork, Callable[[], None]] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def submit(self, work: MPIWork, job: Callable[[], None]) -> MPIWork:
-        self._jobs.put((work, job))
-        return work
-
-    def waiting(self) -> _Waiting:
-        """While a caller waits: MPI's own wait instead of tests with naps."""
-        return _Waiting(self)
-
-    def _enter(self, delta: int) -> None:
-        with self._lock:
-            self._waiters += delta
-            self.polling.computing(self._waiters == 0)
-
-    def close(self, wait: float | None = None) -> None:
-        """Stop the thread after the jobs queued (waiting at most ``wait`` seconds; None: for ever)."""
-        self._jobs.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(wait)
-
-    def _run(self) -> None:
-        while True:
-            item = self._jobs.get()
-            if item is None:
-                return
-            work, job = item
-            try:
-                job()
-            except BaseException as exc:  # handed to the caller through the work
-                if isinstance(exc, MPI.Exception):
-                    self.mpi_error = exc
-                work._finish(exc)
-            else:
-                work._finish(None)
-
-
-class _Waiting:
-    def __init__(self, engine: _Engine) -> None:
-        self.engine = engine
-
-    def __enter__(self) -> None:
-        self.engine._enter(1)
-
-    def __exit__(self, *exc: Any) -> None:
-        self.engine._enter(-1)
-
-
-# -- staging ----------------------------------------------------------------------------------------
-
-
-class _Host:
-    """A contiguous CPU tensor for ``tensor`` (itself when it is one); :meth:`back` writes it back.
-
-    Args:
-        tensor: the caller's tensor.
-        read: its values are read (False: only written, so a copy need not be filled).
-    """
-
-    __slots__ = ("tensor", "host", "copied")
-
-    def __init__(self, tensor: torch.Tensor, read: bool = True) -> None:
-        self.tensor = tensor
-        t = tensor.detach()
-        self.copied = not (t.device.type == "cpu" and t.is_contiguous())
-        if not self.copied:
-            self.host = t
-        elif read:
-            self.host = t.to("cpu").contiguous()
-        else:
-            self.host = torch.empty(t.shape, dtype=t.dtype)
-
-    def bytes(self) -> np.ndarray:
-        """The host tensor's bytes, as a 1-D numpy view."""
-        view = interop.view(self.host.reshape(-1).view(torch.uint8))
-        assert isinstance(view, np.ndarray)
-        return view
-
-    def back(self) -> None:
-        """Write the host tensor into the caller's (when they differ)."""
-        if self.copied:
-            with torch.no_grad():
-                self.tensor.copy_(self.host)
-            if self.tensor.device.type == "cuda":
-                torch.cuda.current_stream(self.tensor.device).synchronize()
-
-
-def _tensor(t: Any, what: str, operation: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{operation}: {what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise TypeError(f"{operation}: {what}: expected a dense (strided) tensor, got layout {t.layout}")
-    if t.device.type not in ("cpu", "cuda"):
-        raise TypeError(f"{operation}: {what}: expected a CPU or CUDA tensor, got one on {t.device}")
-    return t
-
-
-def _row(t: torch.Tensor, shape: bool = True) -> tuple[int, ...]:
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES) + digest([str(t.dtype)]) % 1000
-    return (code, t.dim(), *(t.shape if shape else ()))
-
-
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).replace("torch.", "") if code < len(_DTYPES) else "another dtype"
-
-
-def _reduction(op: Any) -> str:
-    """The name of a ``ReduceOp`` (or ``RedOpType``)."""
-    for name in _REDUCTIONS:
-        if op == getattr(dist.ReduceOp, name):
-            return name
-    return str(op)
-
-
-def _check_reducible(operation: str, dtype: torch.dtype, op: str) -> None:
-    """Raise unless MPI can reduce ``dtype`` with ``op`` (the message names the operation)."""
-    if op == "PREMUL_SUM" or op not in _MPI_OPS:
-        raise ValueError(f"{operation}: ReduceOp.{op} is not supported by the {BACKEND} backend; use SUM, AVG, "
-                         "PRODUCT, MIN, MAX, BAND, BOR or BXOR")
-    if dtype not in _MPI_TYPES and dtype not in _HALVES:
-        raise TypeError(f"{operation}: tensors of dtype {dtype} cannot be reduced over MPI (ReduceOp.{op}); "
-                        "they can be moved (broadcast, all_gather, scatter, all_to_all, send)")
-    if op == "AVG" and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{operation}: ReduceOp.AVG needs a floating-point or complex tensor, got {dtype}")
-    if op in ("MIN", "MAX") and dtype.is_complex:
-        raise TypeError(f"{operation}: ReduceOp.{op} of a complex tensor ({dtype}) is undefined")
-    if op in ("BAND", "BOR", "BXOR") and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{operation}: ReduceOp.{op} needs an integer or bool tensor, got {dtype}")
-
-
-def _as_list(tensors: Any) -> list[Any]:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-
-
-def _chunks(count: int, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[slice]:
-    step = max(1, chunk_bytes // max(1, itemsize))
-    for start in range(0, count, step):
-        yield slice(start, min(count, start + step))
-
-
-# -- the process group --------------------------------------------------------------------------------
 
 
 class MPIProcessGroup(dist.ProcessGroup):
@@ -463,7 +55,7 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     Args:
         comm: the group's ranks, in torch's order; the group takes it over
-            (and frees it at :meth:`shutdown`).
+            (and frees it at ``shutdown()``).
         options: a :class:`~mpi_gradreducer.Options` (``validate``,
             ``timeout``, ``stall_warning``, ``abort_on_exception`` are read), or None.
         timeout: torch's timeout for the group: the watchdog's, unless
@@ -1194,76 +786,3 @@ class MPIProcessGroup(dist.ProcessGroup):
     def abort(self) -> None:
         """As :meth:`shutdown` (MPI cannot cancel a collective in flight)."""
         self.shutdown()
-
-
-class ElasticGroup:
-    """``torch.distributed``'s default group of this backend, made again over each new communicator of
-    :mod:`mpi_gradreducer.elastic` (Open MPI with ULFM: ``mpiexec --with-ft ulfm``)::
-
-        state = elastic.ArrayState([p.detach().numpy() for p in model.parameters()], step=0)
-        group = ElasticGroup(state)          # makes the default group over state.comm, tracked by its world
-        state.register_reset_callbacks([make_ddp])  # DDP made again over the new group
-
-        @elastic.run(failure=group.failed)
-        def train(state): ...
-
-    Construction is collective over ``state.comm``. Only the default group is
-    made again; groups made with ``new_group`` must be made again by a reset
-    callback.
-
-    Args:
-        state: the elastic state whose world's communicator the group follows.
-        options: the group's options (see :class:`MPIProcessGroup`).
-        timeout: torch's timeout for the group.
-    """
-
-    def __init__(self, state: Any, options: Options | None = None,
-                 timeout: datetime.timedelta | None = None) -> None:
-        self.options, self.timeout = options, timeout
-        init_process_group(state.comm, options, timeout)
-        state.world.track(self)
-
-    def communicators(self) -> Iterator[MPI.Comm]:
-        """The default group's communicators (revoked by the world after a lost rank)."""
-        pg = dist.group.WORLD if dist.is_initialized() else None
-        if isinstance(pg, MPIProcessGroup):
-            yield from pg.communicators()
-
-    def rebuild(self, comm: MPI.Intracomm) -> None:
-        """Drop the default group (no collective) and make it again over ``comm`` (collective)."""
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        init_process_group(comm, self.options, self.timeout)
-
-    @staticmethod
-    def failed(exc: BaseException) -> bool:
-        """For ``elastic.run(failure=...)``: whether the default group's calls met an MPI error.
-
-        DDP hands the backend's errors on as ``RuntimeError`` with their text
-        only; the group keeps the MPI error itself.
-        """
-        pg = dist.group.WORLD if dist.is_initialized() else None
-        return isinstance(pg, MPIProcessGroup) and pg.mpi_error is not None
-
-
-def _displacements(counts: Sequence[int]) -> list[int]:
-    places, at = [], 0
-    for c in counts:
-        places.append(at)
-        at += c
-    return places
-
-
-def _apart(send: np.ndarray, recv: np.ndarray, rank: int) -> Any:
-    """``send`` for a gather into ``recv``: ``MPI.IN_PLACE`` where it is this rank's block of ``recv``
-    (FSDP2 gathers so), a copy where it overlaps ``recv`` otherwise (MPI forbids aliased buffers)."""
-    if not np.may_share_memory(send, recv):
-        return send
-    start = send.__array_interface__["data"][0] - recv.__array_interface__["data"][0]
-    if start == rank * send.nbytes:
-        return MPI.IN_PLACE
-    return send.copy()
-
-
-def _env_has(name: str) -> bool:
-    return name in os.environ
