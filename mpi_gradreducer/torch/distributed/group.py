@@ -726,12 +726,18 @@ class MPIProcessGroup(dist.ProcessGroup):
 
     def _receive(self, tensors: list[torch.Tensor], src: int, tag: int) -> MPIWork:
         h = _Host(_tensor(tensors[0], "tensor", "recv"), read=False)
-        request = self._p2p.Irecv(h.bytes(), source=src, tag=tag)
+        # From any rank: a matched probe on the receiving thread, then the receive of that message. MPICH 5.0.2's
+        # receive posted for MPI.ANY_SOURCE was seen to miss a message for good between hosts (shared memory and
+        # the network module both in play); a matched probe takes it.
+        request = None if src == MPI.ANY_SOURCE else self._p2p.Irecv(h.bytes(), source=src, tag=tag)
         work = MPIWork("recv", tensors, self._p2p_engine)
 
         def job() -> None:
             status = MPI.Status()
-            request.Wait(status)
+            if request is None:
+                self._p2p.Mprobe(MPI.ANY_SOURCE, tag, status).Recv(h.bytes())
+            else:
+                request.Wait(status)
             count = status.Get_count(MPI.BYTE)
             if count != h.host.numel() * h.host.element_size():
                 raise ValueError(f"recv: rank {status.Get_source()} sent {count} bytes, but the tensor holds "
