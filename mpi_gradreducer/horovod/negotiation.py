@@ -25,9 +25,10 @@ when every rank has joined.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Request", "Response", "Coordinator", "JOIN", "RAGGED", "REDUCING", "SERVED", "describe"]
+__all__ = ["Request", "Response", "Coordinator", "JOIN", "RAGGED", "REDUCING", "SERVED", "Sent", "compact",
+           "describe", "expand"]
 
 #: The key of ``join()``'s request.
 JOIN = "join"
@@ -39,10 +40,11 @@ REDUCING = ("allreduce", "reducescatter")
 SERVED = ("allreduce", "barrier")
 #: Reduction operations by Horovod's value, for messages.
 _OPS = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+#: Kinds whose every rank's request is the reference (same signature): a plain verdict on them travels as its key.
+_BY_REFERENCE = ("allreduce", "broadcast", "barrier", "reducescatter", "check")
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What one rank asks for under one key: enough for the others to check it and to move the data.
 
     Attributes:
@@ -97,8 +99,7 @@ def describe(request: Request) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     """The verdict on one key, the same on every rank of the process set.
 
     Attributes:
@@ -122,6 +123,32 @@ class Response:
     def reference(self) -> Request:
         """The first submitted request (every submitted one has its signature)."""
         return next(r for r in self.requests if r is not None)
+
+
+#: A verdict as it travels from the coordinator: a :class:`Response`, or only its key (see :func:`compact`).
+Sent = Response | str
+
+
+def compact(response: Response) -> Sent:
+    """What the coordinator sends of ``response``: its key alone when every rank asked the same thing
+    without error and none is in ``join()`` (each rank then knows the rest from its own request), else itself.
+
+    Many small operations a cycle are the common case; their verdicts cost a
+    few bytes each on the wire, not every rank's request.
+    """
+    if response.error is None and not response.joined and response.kind in _BY_REFERENCE:
+        return response.key
+    return response
+
+
+def expand(sent: Sent, mine: Request | None) -> Response | None:
+    """The response that ``sent`` stands for, given this rank's own request under its key (None when this rank
+    has none: a key sent alone then concerns no operation of this rank)."""
+    if isinstance(sent, Response):
+        return sent
+    if mine is None:
+        return None
+    return Response(sent, mine.kind, (mine,))
 
 
 @dataclass

@@ -19,8 +19,10 @@ from typing import Any
 from mpi4py import MPI
 
 from .._core import groups
+from .._core.agreement import raise_if_any
 from .._core.topology import Topology
 from .engine import Engine
+from .settings import Settings
 
 __all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
            "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
@@ -132,7 +134,9 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     Raises:
         TypeError: ``comm`` is none of the above.
         ValueError: this rank is not in the listed ranks (on those ranks only:
-            the listed ranks are initialized), or the list is invalid (on every rank).
+            the listed ranks are initialized), or the list is invalid (on every
+            rank), or a ``HOROVOD_*`` setting is invalid on some rank (on every
+            rank, naming it: :class:`~.settings.Settings`).
     """
     if _Session.context is not None:
         return
@@ -151,9 +155,18 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     else:
         raise TypeError(f"comm: expected None, an mpi4py intracommunicator or a list of ranks, got "
                         f"{type(comm).__name__} {comm!r}")
+    try:
+        settings, error = Settings.from_environment(), None
+    except ValueError as exc:  # raised on every rank, naming the rank whose environment is wrong
+        settings, error = Settings(), exc
+    try:
+        raise_if_any(base, error)
+    except ValueError:
+        base.Free()
+        raise
     local, cross = Topology.of(base).split(base)
     ranks = tuple(range(base.Get_size()))
-    engine = Engine(base.Get_rank())
+    engine = Engine(base.Get_rank(), settings)
     own = base.Dup()
     engine.add_set(0, ranks, own)
     _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)})
