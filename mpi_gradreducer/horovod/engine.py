@@ -30,6 +30,7 @@ wait for each other.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
 from collections import deque
@@ -44,10 +45,11 @@ from .._core import polling
 from .._core.summers import Summers
 from .._core.topology import Topology
 from .._core.transport import Gather
-from .exceptions import internal_error_of
+from .exceptions import HorovodInternalError, internal_error_of
 from .execute import Blocking, Execution, Local, build, fused, fused_bytes
 from .negotiation import Coordinator, Request, Response, Sent, compact, expand
 from .settings import Settings
+from .stall import StallInspector
 
 __all__ = ["Engine", "Handle", "Op", "NAP_SECONDS", "WAIT_NAP_SECONDS"]
 
@@ -55,7 +57,11 @@ __all__ = ["Engine", "Handle", "Op", "NAP_SECONDS", "WAIT_NAP_SECONDS"]
 NAP_SECONDS = polling.NAP_SECONDS
 #: The nap while the caller waits for a handle.
 WAIT_NAP_SECONDS = 0.1e-3
-_REQUESTS, _RESPONSES = 1, 2
+_REQUESTS, _RESPONSES, _LEFT, _SHUTDOWN = 1, 2, 3, 4
+#: How long an idle engine sleeps before it looks at its messages (a peer that left, the stall inspector's).
+IDLE_SECONDS = 1.0
+#: How long a leaving engine tries to tell the others (a peer that has already gone cannot hear).
+FAREWELL_SECONDS = 1.0
 _UNNAMED = "noname."
 
 
@@ -139,14 +145,19 @@ class _Set:
     """The engine's side of one process set (made on the caller's thread, collectively over its ranks)."""
 
     def __init__(self, set_id: int, ranks: tuple[int, ...], comm: MPI.Intracomm,
-                 wait: Callable[[MPI.Request], None]) -> None:
+                 wait: Callable[[MPI.Request], None], settings: Settings) -> None:
         self.id, self.ranks = set_id, ranks
         self.ctl, self.data = comm.Dup(), comm.Dup()
         self.me = comm.Get_rank()
+        # This incarnation's mark on its farewells: MPI may give a later set the context of a freed one, and a
+        # farewell that nobody received on the old one must not reach the new one.
+        self.token = self.ctl.bcast(secrets.randbits(62) if self.me == 0 else None, root=0)
         self.summers = Summers(self.data, Topology.of(self.data), wait=wait)
         self.local = MPI.COMM_SELF.Dup()
         self.gather = Gather(self.local, set_id)
         self.coordinator = Coordinator(comm.Get_size(), ranks) if self.me == 0 else None
+        self.inspector = StallInspector(settings) if self.me == 0 else None
+        self.lost: BaseException | None = None  # a peer left (or the job was shut down): every operation fails
         self.pending: dict[str, Op] = {}
         self.outbox: list[Request] = []
         self.since = 0.0  # when the oldest request of the outbox was accepted
@@ -197,6 +208,7 @@ class Engine:
         self._timeline: Any = None
         self._mark_cycles = False
         self._failure: BaseException | None = None
+        self._broken: BaseException | None = None  # the stall shutdown: every operation fails
         self._thread = threading.Thread(target=self._run, name="mpi_gradreducer-horovod", daemon=True)
         self._thread.start()
 
@@ -204,7 +216,7 @@ class Engine:
 
     def add_set(self, set_id: int, ranks: tuple[int, ...], comm: MPI.Intracomm) -> None:
         """Serve a process set from now on (``comm``: its ranks; duplicated here, collectively over them)."""
-        s = _Set(set_id, ranks, comm, self._polling.wait)
+        s = _Set(set_id, ranks, comm, self._polling.wait, self.settings)
         with self._cond:
             self._in_flight[set_id] = set()
         self._post(lambda: self._sets.__setitem__(set_id, s))
@@ -262,6 +274,25 @@ class Engine:
         self._thread.join()
         self._fail_all(RuntimeError("hvd.shutdown() (or the end of the process) came before this operation "
                                     "completed: some rank of its process set never made the call"))
+        self._farewell()
+
+    def _farewell(self) -> None:
+        """Tell every other rank of this rank's process sets that it has left: their operations that wait for it
+        fail at once (with Horovod's internal error) instead of waiting."""
+        sends = []
+        for s in self._sets.values():
+            if s.lost is None:
+                try:
+                    sends += [s.ctl.isend((s.token, self.rank), dest=r, tag=_LEFT)
+                              for r in range(len(s.ranks)) if r != s.me]
+                except MPI.Exception:  # a peer already gone
+                    pass
+        deadline = time.monotonic() + FAREWELL_SECONDS
+        try:
+            while sends and not MPI.Request.Testall(sends) and time.monotonic() < deadline:
+                time.sleep(1e-3)
+        except MPI.Exception:
+            pass
 
     def communicators(self) -> Iterator[MPI.Intracomm]:
         """Every communicator of the engine (two per process set): what a lost rank's recovery revokes."""
@@ -280,6 +311,8 @@ class Engine:
                 raise self._failed() from self._failure
             if self._stop:
                 raise RuntimeError("mpi_gradreducer.horovod was shut down; call hvd.init() again")
+            if self._broken is not None:
+                raise HorovodInternalError(str(self._broken))
             self._inbox.append(job)
             if self._idle:  # else the thread takes it at the end of its nap: submitting stays cheap
                 self._cond.notify_all()
@@ -295,7 +328,8 @@ class Engine:
                 with self._cond:
                     while not self._stop and not self._busy():
                         self._idle = True
-                        self._cond.wait()
+                        if not self._cond.wait(IDLE_SECONDS):
+                            break  # look at the messages (a peer that left, another rank's requests)
                     self._idle = False
                     if self._stop:
                         MPI.Request.Waitall(self._sends)  # small messages: sent eagerly, complete at once
@@ -350,6 +384,9 @@ class Engine:
         if s is None or s.removed:
             self._done(op, None, [], ValueError(f"process set {op.set_id} was removed"))
             return
+        if s.lost is not None:
+            self._done(op, None, [], HorovodInternalError(str(s.lost)))
+            return
         request = op.request = op.request._replace(epoch=self.epoch)
         if request.kind == "join":
             for other in self._sets.values():
@@ -380,10 +417,14 @@ class Engine:
         did = False
         for s in list(self._sets.values()):
             did = self._flush(s) or did
-            if s.coordinator is not None:
-                did = self._coordinate(s) or did
-            else:
-                did = self._receive(s) or did
+            did = self._listen(s) or did
+            if s.coordinator is not None and s.inspector is not None and s.lost is None:
+                reason = s.inspector.inspect(s.coordinator)
+                if reason is not None:
+                    for r in range(1, len(s.ranks)):
+                        self._sends.append(s.ctl.isend((s.token, reason), dest=r, tag=_SHUTDOWN))
+                    self._halt(reason)
+                    did = True
             did = self._execute(s) or did
         if self._sends:
             self._sends = [r for r in self._sends if not r.Test()]
@@ -405,17 +446,44 @@ class Engine:
             self._sends.append(s.ctl.isend(requests, dest=0, tag=_REQUESTS))
         return True
 
-    def _coordinate(self, s: _Set) -> bool:
-        assert s.coordinator is not None
+    def _listen(self, s: _Set) -> bool:
+        """Take the set's messages in the order each rank sent them: requests (coordinator), verdicts, a peer that
+        left, the stall shutdown."""
         did = False
         status = MPI.Status()
         while True:
-            message = s.ctl.improbe(source=MPI.ANY_SOURCE, tag=_REQUESTS, status=status)
+            message = s.ctl.improbe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status)
             if message is None:
                 return did
-            requests = message.recv()
-            self._deliver(s, s.coordinator.receive(status.Get_source(), requests))
+            body, tag, source = message.recv(), status.Get_tag(), status.Get_source()
             did = True
+            if tag == _REQUESTS and s.coordinator is not None:
+                if s.lost is None:
+                    self._deliver(s, s.coordinator.receive(source, body))
+            elif tag == _RESPONSES:
+                s.queue.append(deque(body))
+            elif tag in (_LEFT, _SHUTDOWN) and body[0] != s.token:
+                continue  # meant for a freed communicator whose context this one reuses
+            elif tag == _LEFT:
+                self._lose(s, HorovodInternalError(
+                    f"rank {body[1]} left Horovod (hvd.shutdown(), or the end of its process) while this operation "
+                    f"waited for the ranks of process set {s.id} ({list(s.ranks)}) to submit it"))
+            elif tag == _SHUTDOWN:
+                self._halt(body[1])
+
+    def _lose(self, s: _Set, error: BaseException) -> None:
+        """The set cannot complete anything more: its operations waiting for a verdict fail, and later ones."""
+        s.lost = error
+        s.outbox.clear()
+        for op in list(s.pending.values()):
+            self._done(op, None, [], HorovodInternalError(str(error)))
+        s.pending.clear()
+
+    def _halt(self, reason: str) -> None:
+        """The stall shutdown: every operation of every set fails, now and later."""
+        self._broken = HorovodInternalError(reason)
+        for s in self._sets.values():
+            self._lose(s, self._broken)
 
     def _deliver(self, s: _Set, responses: list[Response]) -> None:
         if not responses:
@@ -424,15 +492,6 @@ class Engine:
         for r in range(1, len(s.ranks)):
             self._sends.append(s.ctl.isend(sent, dest=r, tag=_RESPONSES))
         s.queue.append(deque(sent))
-
-    def _receive(self, s: _Set) -> bool:
-        did = False
-        while True:
-            message = s.ctl.improbe(source=0, tag=_RESPONSES)
-            if message is None:
-                return did
-            s.queue.append(deque(message.recv()))
-            did = True
 
     def _execute(self, s: _Set) -> bool:
         did = False

@@ -26,6 +26,7 @@ Data-moving kinds move raw bytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
@@ -54,8 +55,11 @@ _FP16 = half_format(np.float16)
 def wire_dtype(dtype: str, op: int) -> np.dtype:
     """The dtype a tensor of torch dtype ``dtype`` is reduced in with ``op``."""
     if dtype == "float16" and op not in (AVERAGE, SUM):
-        return np.dtype(np.float32)
-    return np.dtype(NUMPY[dtype])
+        return _WIRE["float32"]
+    return _WIRE[dtype]
+
+
+_WIRE = {name: np.dtype(t) for name, t in NUMPY.items()}
 
 
 class Local:
@@ -199,8 +203,7 @@ def _prescale(arr: np.ndarray, pre: float) -> None:
 def fused_bytes(response: Response) -> int:
     """The bytes an allreduce response takes in fusion buffers."""
     ref = response.reference()
-    return sum(int(np.prod(shape, dtype=np.int64)) * wire_dtype(dtype, ref.op).itemsize
-               for dtype, shape in ref.entries)
+    return sum(math.prod(shape) * wire_dtype(dtype, ref.op).itemsize for dtype, shape in ref.entries)
 
 
 def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], threshold: int,
@@ -230,7 +233,7 @@ def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], thre
         outputs.append([None] * len(entries) if local is None else list(local.arrays))
         for i, (dtype, shape) in enumerate(entries):
             parts.setdefault(wire_dtype(dtype, op), []).append(
-                (None if local is None else local.arrays[i], int(np.prod(shape, dtype=np.int64))))
+                (None if local is None else local.arrays[i], math.prod(shape)))
     size = summers.comm.Get_size()
     for wire, members in parts.items():
         for bucket in _buckets(members, wire.itemsize, threshold):

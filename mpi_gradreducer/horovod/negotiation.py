@@ -24,6 +24,7 @@ when every rank has joined.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -165,6 +166,7 @@ class Coordinator:
     table: dict[str, dict[int, Request]] = field(default_factory=dict)
     joined: dict[int, int] = field(default_factory=dict)  # rank -> epoch it joined in
     join_order: list[int] = field(default_factory=list)
+    since: dict[str, float] = field(default_factory=dict)  # key -> when a rank first asked for it (monotonic)
 
     def receive(self, rank: int, requests: list[Request]) -> list[Response]:
         """Take ``rank``'s requests (in the order it submitted them); the responses now ready, in order."""
@@ -176,8 +178,27 @@ class Coordinator:
                 out += self._ready(list(self.table))  # a join may complete any key
                 out += self._all_joined(request.epoch)
                 continue
-            self.table.setdefault(request.key, {})[rank] = request
+            got = self.table.get(request.key)
+            if got is None:
+                got = self.table[request.key] = {}
+                self.since[request.key] = time.monotonic()
+            got[rank] = request
             out += self._ready([request.key])
+        return out
+
+    def stalled(self, older_than: float, now: float | None = None) -> dict[str, list[int]]:
+        """The keys some rank asked for at least ``older_than`` seconds ago and that still wait, each with the
+        ranks (global) that have neither asked for it nor joined, oldest key first."""
+        now = time.monotonic() if now is None else now
+        name = (lambda r: self.ranks[r]) if self.ranks else (lambda r: r)
+        out: dict[str, list[int]] = {}
+        for key, since in sorted(self.since.items(), key=lambda item: item[1]):
+            got = self.table.get(key)
+            if not got or now - since < older_than:
+                continue
+            epoch = next(iter(got.values())).epoch
+            joined = self._joined_in(epoch)
+            out[key] = [name(r) for r in range(self.size) if r not in got and r not in joined]
         return out
 
     def _joined_in(self, epoch: int) -> list[int]:
@@ -194,6 +215,7 @@ class Coordinator:
             if len(got) + len(joined) < self.size:
                 continue
             del self.table[key]
+            self.since.pop(key, None)
             out.append(verdict(key, [got.get(r) for r in range(self.size)], joined, self.ranks))
         return out
 
@@ -221,7 +243,7 @@ def verdict(key: str, requests: list[Request | None], joined: list[int], ranks: 
             return Response(key, q.kind, given, tuple(joined), (q.error[0], f"rank {name(r)}: {q.error[1]}"))
     first, ref = mine[0]
     for r, q in mine[1:]:
-        if q.signature() != ref.signature() or q.epoch != ref.epoch:
+        if q != ref and (q.signature() != ref.signature() or q.epoch != ref.epoch):
             ragged = " (only the first dimension may differ)" if ref.kind in RAGGED else ""
             return Response(key, ref.kind, given, tuple(joined), (
                 "RuntimeError",
