@@ -39,7 +39,7 @@ from .._core.transport import Gather
 from .._core.wire import half_format
 from .negotiation import Response
 
-__all__ = ["Blocking", "Execution", "Local", "build", "fused", "fused_bytes", "wire_dtype", "NUMPY"]
+__all__ = ["Blocking", "Execution", "Local", "buckets", "build", "fused", "fused_bytes", "wire_dtype", "NUMPY"]
 
 #: torch dtype names and the numpy dtype of their host copies (bfloat16: reduced as float32).
 NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.float32,
@@ -236,12 +236,12 @@ def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], thre
                 (None if local is None else local.arrays[i], math.prod(shape)))
     size = summers.comm.Get_size()
     for wire, members in parts.items():
-        for bucket in _buckets(members, wire.itemsize, threshold):
+        for bucket in buckets(members, wire.itemsize, threshold):
             _reduce(summers, bucket, wire, op, pre, post, size, scratch, gather)
     return outputs
 
 
-def _buckets(members: list[tuple[np.ndarray | None, int]], itemsize: int,
+def buckets(members: list[tuple[np.ndarray | None, int]], itemsize: int,
              threshold: int) -> list[list[tuple[np.ndarray | None, int]]]:
     """Consecutive members in buckets of up to ``threshold`` bytes (a larger member alone)."""
     out: list[list[tuple[np.ndarray | None, int]]] = []
