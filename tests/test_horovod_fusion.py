@@ -129,3 +129,23 @@ def test_many_in_place_async_allreduces_under_a_fusion_threshold(torch, threshol
     finally:
         hvd.shutdown()
     assert MPI.Is_initialized()
+
+
+def test_every_horovod_variable_is_honoured_ignored_with_a_reason_or_refused():
+    from pathlib import Path
+
+    from mpi_gradreducer.horovod.settings import HONOURED, NOT_APPLICABLE, REFUSED, VARIABLES
+
+    assert {verdict for verdict, _ in VARIABLES.values()} == {HONOURED, NOT_APPLICABLE, REFUSED}
+    got = Settings.from_environment({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "1024",
+                                     "HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_DISABLE_GROUP_FUSION": "1",
+                                     "HOROVOD_CPU_OPERATIONS": "MPI", "HOROVOD_SOURCE": "/elsewhere"})
+    assert not got.hierarchical and not got.group_fusion
+    assert [note.split("=")[0] for note in got.ignored] == ["HOROVOD_AUTOTUNE", "HOROVOD_CACHE_CAPACITY"]
+    assert "no autotuning" in got.ignored[0]
+    with pytest.raises(ValueError, match=r"HOROVOD_CPU_OPERATIONS: expected MPI, got 'gloo': gloo is not supported"):
+        Settings.from_environment({"HOROVOD_CPU_OPERATIONS": "gloo"})
+    with pytest.raises(ValueError, match=r"HOROVOD_GLOO_TIMEOUT_SECONDS='30' is refused: gloo is not supported"):
+        Settings.from_environment({"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
+    table = (Path(__file__).resolve().parents[1] / "docs" / "horovod.rst").read_text()
+    assert not [name for name in VARIABLES if f"``{name}``" not in table]  # docs/horovod.rst lists every one

@@ -152,7 +152,7 @@ class _Set:
         # This incarnation's mark on its farewells: MPI may give a later set the context of a freed one, and a
         # farewell that nobody received on the old one must not reach the new one.
         self.token = self.ctl.bcast(secrets.randbits(62) if self.me == 0 else None, root=0)
-        self.summers = Summers(self.data, Topology.of(self.data), wait=wait)
+        self.summers = Summers(self.data, Topology.of(self.data), two_levels=settings.hierarchical, wait=wait)
         self.local = MPI.COMM_SELF.Dup()
         self.gather = Gather(self.local, set_id)
         self.coordinator = Coordinator(comm.Get_size(), ranks) if self.me == 0 else None
@@ -572,6 +572,9 @@ class Engine:
         if not s.queue:
             return []
         ref = first.reference()
+        grouped = not self.settings.group_fusion  # HOROVOD_DISABLE_GROUP_FUSION: a group fuses with nothing
+        if grouped and len(ref.entries) > 1:
+            return []
         batch, out = s.queue[0], []
         held = fused_bytes(first)
         while batch:
@@ -582,7 +585,7 @@ class Engine:
             if response is None or response.kind != "allreduce" or response.error is not None:
                 break
             other = response.reference()
-            if other.op != ref.op or other.factors != ref.factors:
+            if other.op != ref.op or other.factors != ref.factors or grouped and len(other.entries) > 1:
                 break
             if op is None and s.me not in response.joined:
                 break

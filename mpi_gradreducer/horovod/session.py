@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,6 +165,9 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     except ValueError:
         base.Free()
         raise
+    if base.Get_rank() == 0:
+        for note in settings.ignored:
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
     local, cross = Topology.of(base).split(base)
     ranks = tuple(range(base.Get_size()))
     engine = Engine(base.Get_rank(), settings)
