@@ -426,8 +426,8 @@ class Engine:
                     self._halt(reason)
                     did = True
             did = self._execute(s) or did
-        if self._sends:
-            self._sends = [r for r in self._sends if not r.Test()]
+        if self._sends and MPI.Request.Testall(self._sends):  # one MPI call (each releases the GIL)
+            self._sends = []
         if did and self._mark_cycles:
             self._record("CYCLE_START", time.perf_counter(), time.perf_counter())
         return did
