@@ -45,6 +45,7 @@ from .._core import polling
 from .._core.summers import Summers
 from .._core.topology import Topology
 from .._core.transport import Gather
+from .._core.watchdog import Watchdog
 from .exceptions import HorovodInternalError, internal_error_of
 from .execute import Blocking, Execution, Local, build, fused, fused_bytes
 from .negotiation import Coordinator, Request, Response, Sent, compact, expand
@@ -155,6 +156,9 @@ class _Set:
         self.summers = Summers(self.data, Topology.of(self.data), two_levels=settings.hierarchical, wait=wait)
         self.local = MPI.COMM_SELF.Dup()
         self.gather = Gather(self.local, set_id)
+        # The package's watchdog times each fused reduction, as it times the reducer's collectives.
+        self.watchdog = Watchdog(self.data, settings.timeout, None, hook=False, rank=ranks[self.me])
+        self.reductions = 0
         self.coordinator = Coordinator(comm.Get_size(), ranks) if self.me == 0 else None
         self.inspector = StallInspector(settings) if self.me == 0 else None
         self.lost: BaseException | None = None  # a peer left (or the job was shut down): every operation fails
@@ -173,6 +177,7 @@ class _Set:
     def free(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+        self.watchdog.close()
         self.summers.free()
         self.gather.free()
         for c in (self.ctl, self.data, self.local):
@@ -297,7 +302,7 @@ class Engine:
     def communicators(self) -> Iterator[MPI.Intracomm]:
         """Every communicator of the engine (two per process set): what a lost rank's recovery revokes."""
         for s in self._sets.values():
-            yield from (s.ctl, s.data, *s.summers.communicators())
+            yield from (s.ctl, s.data, *s.summers.communicators(), *s.watchdog.communicators())
 
     def free(self) -> None:
         """Free every process set's communicators (after :meth:`close`)."""
@@ -554,7 +559,16 @@ class Engine:
             items = [(response, op)] + self._fusable(s, response)
             locals_ = [(r, o.local if o is not None else None) for r, o in items]
             threshold = self.settings.fusion_threshold
-            work = lambda: fused(s.summers, locals_, threshold, s.scratch, s.gather)  # noqa: E731
+            s.reductions += 1
+            call, count = s.reductions, sum(len(r.reference().entries) for r, _ in items)
+
+            def work() -> list[list[Any]]:
+                s.watchdog.arm(lambda: f"hvd allreduce of {count} tensors, process set {s.id}", call)
+                try:
+                    return fused(s.summers, locals_, threshold, s.scratch, s.gather)
+                finally:
+                    s.watchdog.disarm()
+
             s.current = (Blocking(work, self._worker(s)), items)
             return True
         ref = response.reference()

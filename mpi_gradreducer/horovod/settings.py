@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from .._core.options import DEFAULT_TIMEOUT, TIMEOUT_ENV
+
 __all__ = ["Settings", "VARIABLES", "HONOURED", "NOT_APPLICABLE", "REFUSED", "FUSION_THRESHOLD", "CYCLE_TIME",
            "STALL_CHECK_TIME"]
 
@@ -109,6 +111,9 @@ class Settings:
         group_fusion: False with ``HOROVOD_DISABLE_GROUP_FUSION=1``: a
             grouped call's tensors are not fused with other operations'.
         ignored: one warning per variable set that does not apply here.
+        timeout: the package's watchdog timeout (``MPI_GRADREDUCER_TIMEOUT``,
+            seconds or ``none``; default 1800): a fused reduction that takes
+            longer ends the job, naming the ranks it waits for, as the reducer's do.
     """
 
     fusion_threshold: int = FUSION_THRESHOLD
@@ -118,6 +123,7 @@ class Settings:
     hierarchical: bool = True
     group_fusion: bool = True
     ignored: tuple[str, ...] = ()
+    timeout: float | None = DEFAULT_TIMEOUT
 
     @classmethod
     def from_environment(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -147,8 +153,11 @@ class Settings:
         disabled = _flag(env, "HOROVOD_STALL_CHECK_DISABLE")
         hierarchical = not env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() or \
             _flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE")
+        timeout: float | None = None
+        if env.get(TIMEOUT_ENV, "").strip().lower() != "none":
+            timeout = _number(env, TIMEOUT_ENV, DEFAULT_TIMEOUT) or None
         return cls(int(threshold), cycle, None if disabled or check == 0 else check, shutdown or None, hierarchical,
-                   not _flag(env, "HOROVOD_DISABLE_GROUP_FUSION"), tuple(ignored))
+                   not _flag(env, "HOROVOD_DISABLE_GROUP_FUSION"), tuple(ignored), timeout)
 
 
 def _number(env: Mapping[str, str], name: str, default: float, integer: bool = False) -> float:
