@@ -149,3 +149,15 @@ def test_every_horovod_variable_is_honoured_ignored_with_a_reason_or_refused():
         Settings.from_environment({"HOROVOD_GLOO_TIMEOUT_SECONDS": "30"})
     table = (Path(__file__).resolve().parents[1] / "docs" / "horovod.rst").read_text()
     assert not [name for name in VARIABLES if f"``{name}``" not in table]  # docs/horovod.rst lists every one
+
+
+@pytest.mark.mpi
+def test_the_horovod_bench_times_every_method_against_the_reducer(torch):
+    """``python -m mpi_gradreducer.bench horovod`` on a small case: every method timed, checked, and a ratio each."""
+    from mpi_gradreducer.bench.horovod import METHODS, bench_small, format_small
+
+    res = bench_small(WORLD, 20, 256, METHODS, reps=2, warmup=1)
+    assert list(res["methods"]) == list(METHODS) and res["count"] == 20 and res["bytes"] == 256
+    assert all(len(m["times_ms"]) == 2 and m["median_ms"] > 0 for m in res["methods"].values())
+    assert {k for k in res if k.endswith("_over_reducer")} == {f"{m}_over_reducer" for m in METHODS[1:]}
+    assert "async / reducer = " in format_small(res)
