@@ -199,7 +199,10 @@ def shutdown() -> None:
     """Stop the engine and free what :func:`init` made (collective). Does nothing when not initialized.
 
     Operations still in flight then (some rank never made the call) fail
-    with ``RuntimeError`` after at most 30 seconds.
+    with ``RuntimeError`` after at most 30 seconds. Then the other ranks of
+    this rank's process sets hear that it has left: their operations that
+    wait for it fail with ``HorovodInternalError`` instead of waiting (also
+    when the process ends without calling this: it runs at exit).
     """
     ctx, _Session.context = _Session.context, None
     if ctx is not None:
