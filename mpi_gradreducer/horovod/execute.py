@@ -221,8 +221,9 @@ def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], thre
         items: the operations, in the coordinator's order.
         threshold: ``HOROVOD_FUSION_THRESHOLD`` (0: every tensor alone).
         scratch: the process set's fusion buffers by wire dtype.
-        gather: copies members in and out of a fusion buffer in one MPI call each way (the core's
-            :class:`~mpi_gradreducer._core.transport.Gather`; None: numpy copies).
+        gather: copies a fusion buffer back into its members in one MPI call (the core's
+            :class:`~mpi_gradreducer._core.transport.Gather`; None: numpy copies). They are packed by one
+            ``np.concatenate``.
     """
     ref = items[0][0].reference()
     op, (pre, post) = ref.op, ref.factors
@@ -274,10 +275,12 @@ def _reduce(summers: Summers, bucket: list[tuple[np.ndarray | None, int]], wire:
         held = scratch[wire] = np.empty(total, dtype=wire)
     buf = held[:total]
     arrays = [array for array, _ in bucket]
-    if gather is not None and all(a is not None for a in arrays) and gather.pack(arrays, buf):
+    if all(a is not None for a in arrays):  # packed in one numpy call, unpacked in one MPI call where it can
+        np.concatenate(arrays, out=buf)
         _prescale(buf, pre)
         _sum(summers, buf, op, post, size)
-        gather.unpack(buf, arrays, just_packed=True)
+        if gather is None or not gather.unpack(buf, arrays):
+            _unpack(buf, bucket)
         return
     at = 0
     for array, count in bucket:
@@ -288,6 +291,10 @@ def _reduce(summers: Summers, bucket: list[tuple[np.ndarray | None, int]], wire:
         at += count
     _prescale(buf, pre)
     _sum(summers, buf, op, post, size)
+    _unpack(buf, bucket)
+
+
+def _unpack(buf: np.ndarray, bucket: list[tuple[np.ndarray | None, int]]) -> None:
     at = 0
     for array, count in bucket:
         if array is not None:
