@@ -274,8 +274,8 @@ def _reduce(summers: Summers, bucket: list[tuple[np.ndarray | None, int]], wire:
     if held is None or held.shape[0] < total:
         held = scratch[wire] = np.empty(total, dtype=wire)
     buf = held[:total]
-    arrays = [array for array, _ in bucket]
-    if all(a is not None for a in arrays):  # packed in one numpy call, unpacked in one MPI call where it can
+    arrays = [array for array, _ in bucket if array is not None]
+    if len(arrays) == len(bucket):  # packed in one numpy call, unpacked in one MPI call where it can
         np.concatenate(arrays, out=buf)
         _prescale(buf, pre)
         _sum(summers, buf, op, post, size)
