@@ -142,6 +142,14 @@ class Op:
     agreed: float = 0.0
 
 
+def _revoked(comm: MPI.Comm) -> bool:
+    """Whether ``comm`` was revoked (ULFM's ``MPIX_Comm_is_revoked``; False where the MPI has none)."""
+    try:
+        return bool(comm.Is_revoked())
+    except (AttributeError, NotImplementedError, MPI.Exception):
+        return False
+
+
 class _Set:
     """The engine's side of one process set (made on the caller's thread, collectively over its ranks)."""
 
@@ -277,6 +285,8 @@ class Engine:
             self._stop = True
             self._cond.notify_all()
         self._thread.join()
+        for s in self._sets.values():  # their threads too: no MPI call may follow a finalize (local, idempotent)
+            s.watchdog.close()
         self._fail_all(RuntimeError("hvd.shutdown() (or the end of the process) came before this operation "
                                     "completed: some rank of its process set never made the call"))
         self._farewell()
@@ -284,6 +294,9 @@ class Engine:
     def _farewell(self) -> None:
         """Tell every other rank of this rank's process sets that it has left: their operations that wait for it
         fail at once (with Horovod's internal error) instead of waiting."""
+        if MPI.Is_finalized() or self._failure is not None or any(_revoked(s.ctl) for s in self._sets.values()):
+            return  # after the finalize, or a lost process (a recovery revokes the communicators): sending to it
+            # may end the job
         sends = []
         for s in self._sets.values():
             if s.lost is None:
@@ -336,8 +349,9 @@ class Engine:
                         if not self._cond.wait(IDLE_SECONDS):
                             break  # look at the messages (a peer that left, another rank's requests)
                     self._idle = False
-                    if self._stop:
-                        MPI.Request.Waitall(self._sends)  # small messages: sent eagerly, complete at once
+                    if self._stop or MPI.Is_finalized():  # no MPI call after the finalize (at exit)
+                        if self._sends and not MPI.Is_finalized():
+                            MPI.Request.Waitall(self._sends)  # small messages: sent eagerly, complete at once
                         return
                     jobs, self._inbox = self._inbox, []
                 for job in jobs:
