@@ -297,6 +297,9 @@ class Engine:
         if MPI.Is_finalized() or self._failure is not None or any(_revoked(s.ctl) for s in self._sets.values()):
             return  # after the finalize, or a lost process (a recovery revokes the communicators): sending to it
             # may end the job
+        if not MPI.Get_library_version().startswith("MPICH"):
+            return  # farewells nobody receives stay unmatched on freed communicators: MPICH lets them be; Open MPI
+            # 5 aborted the job (tests/test_horovod.py at 4 ranks, where every rank shuts down and inits again)
         sends = []
         for s in self._sets.values():
             if s.lost is None:
