@@ -59,7 +59,7 @@ def test_ranks_that_parse_differently_still_exit_alike():
 
 
 def test_registry_names_importable_benchmarks():
-    assert list(bench.COMMANDS) == ["host", "gpu", "compression", "torch-optimizer"]
+    assert list(bench.COMMANDS) == ["host", "gpu", "compression", "torch-optimizer", "horovod"]
     assert bench.DEFAULT_COMMAND == "host"
     for name, (module, about) in bench.COMMANDS.items():
         assert callable(importlib.import_module(f"mpi_gradreducer.bench.{module}").main), name

@@ -6,6 +6,7 @@ Run under MPI; only rank 0 prints::
     mpiexec -n 4 python -m mpi_gradreducer.bench gpu [OPTIONS]      # cupy gradients
     mpiexec -n 4 python -m mpi_gradreducer.bench compression [OPTIONS]
     mpiexec -n 4 python -m mpi_gradreducer.bench torch-optimizer [OPTIONS]
+    mpiexec -n 2 python -m mpi_gradreducer.bench horovod [OPTIONS]
 
 Each subcommand's module is imported only when it runs. The parts they share:
 :mod:`.workloads` (gradient shapes), :mod:`.timing` (interleaved cases,
@@ -52,6 +53,7 @@ COMMANDS: Mapping[str, tuple[str, str]] = MappingProxyType({
     "gpu": ("gpu", "cupy gradients: the staged and CUDA-aware reducer against the pinned-copy bound"),
     "compression": ("compression", "one large float32 gradient: fp16/bf16 wire compression against none"),
     "torch-optimizer": ("torch_optimizer", "a torch MLP's training step: DistributedOptimizer against DDP over gloo"),
+    "horovod": ("horovod", "many small torch tensors: hvd.grouped_allreduce and allreduce_async_ against the reducer"),
 })
 #: What runs when the first argument names no subcommand.
 DEFAULT_COMMAND = "host"

@@ -45,6 +45,7 @@ from .submit import (
     tensor_arg,
     tensors_arg,
     wait,
+    writable_view,
 )
 
 __all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
@@ -101,6 +102,15 @@ def _deliver(out: list[torch.Tensor], given: list[torch.Tensor], inplace: bool, 
     return out[0] if single else out
 
 
+def _tensor_of(a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+    """A reduced host array as a tensor of ``like``'s dtype, shape and device (no copy where they allow)."""
+    out = torch.from_numpy(a)
+    if out.dtype != like.dtype:
+        out = out.to(like.dtype)
+    out = out.reshape(like.shape)
+    return out if like.is_cpu else out.to(like.device)
+
+
 def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, op: Any, prescale_factor: Any,
                      postscale_factor: Any, process_set: Any, compression: Any = Compression.none,
                      inplace: bool = False, single: bool = False, blocking: bool = False) -> Handle:
@@ -120,12 +130,22 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
                 raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
             sent.append(c)
             contexts.append(ctx)
-        arrays = [numeric(c, int(reduce_op)) for c in sent]
+        arrays, own = [], []
+        for c, t in zip(sent, given, strict=True):
+            mine = writable_view(c, int(reduce_op)) if inplace and c is t else None  # reduced where it lies
+            own.append(mine is not None)
+            arrays.append(mine if mine is not None else numeric(c, int(reduce_op)))
 
         def finish(response: Any, outputs: list[Any]) -> Any:
-            out = [compression.decompress(torch.from_numpy(a).reshape(c.shape).to(c.dtype).to(c.device), ctx)
-                   for a, c, ctx in zip(outputs, sent, contexts, strict=True)]
-            return _deliver(out, given, inplace, single)
+            if not inplace:
+                out = [compression.decompress(_tensor_of(a, c), ctx)
+                       for a, c, ctx in zip(outputs, sent, contexts, strict=True)]
+                return out[0] if single else out
+            with torch.no_grad():
+                for t, a, c, ctx, viewed in zip(given, outputs, sent, contexts, own, strict=True):
+                    if not viewed:
+                        t.copy_(compression.decompress(_tensor_of(a, c), ctx))
+            return given[0] if single else given
 
         fields = {"entries": tuple(entry(c) for c in sent), "op": int(reduce_op), "factors": factors}
         return fields, Local(arrays), finish

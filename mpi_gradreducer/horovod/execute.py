@@ -1,34 +1,45 @@
-"""How the data of one agreed operation moves: nonblocking MPI calls in steps, on host arrays (no torch here).
+"""How the data of agreed operations moves, on host arrays (no torch here).
 
-An :class:`Execution` is a list of steps; each step starts nonblocking MPI
-calls (and may first compute on what the steps before received), and the
-next step starts once they have all completed. The engine tests executions
-without blocking, so that operations of different process sets (different
-communicators) never wait for each other; within a process set they run
-one at a time, in the coordinator's order, so that every rank starts the
-same calls in the same order on each communicator.
+Allreduce is Tensor Fusion (:func:`fused`): the consecutive allreduce
+operations of one cycle's verdicts with the same operation and scaling are
+packed, per wire dtype, into buffers of up to ``HOROVOD_FUSION_THRESHOLD``
+bytes, each summed through the package's summers
+(:class:`~mpi_gradreducer._core.summers.Summers`: the reducer's chunks, its
+rank-order means, its two levels across hosts; float16 through its 16-bit
+sums, added in float32 and rounded once) and unpacked. A buffer of one
+tensor is reduced where it lies. Average divides by the process set's size
+(a rank in ``join()`` counts, as in Horovod: it contributes the operation's
+identity), integers in float64 and truncated toward zero; ``prescale``
+multiplies each rank's values before the reduction, ``postscale`` the
+result. bfloat16, and float16 under Min, Max or Product, are reduced in
+float32.
 
-Reductions: Average divides by the process set's size (a rank in
-``join()`` counts, as in Horovod), integers in float64 and truncated
-toward zero; ``prescale`` multiplies each rank's copy before the reduction,
-``postscale`` the result. float16 sums and averages travel as float16 and
-are added in float32 in rank order, then rounded once (each rank sums one
-slice of every rank's tensor: ``Alltoallv``, then the slices are shared:
-``Allgatherv``); bfloat16, and float16 under Min, Max or Product, are reduced
-in float32. Data-moving kinds move raw bytes.
+The other kinds are an :class:`Execution`: a list of steps; each step starts
+nonblocking MPI calls (and may first compute on what the steps before
+received), and the next step starts once they have all completed. The
+engine tests executions without blocking, so that operations of different
+process sets (different communicators) never wait for each other; within a
+process set they run one at a time, in the coordinator's order, so that
+every rank starts the same calls in the same order on each communicator.
+Data-moving kinds move raw bytes.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
+from .._core.summers import Summers, allreduce
+from .._core.transport import Gather
+from .._core.wire import half_format
 from .negotiation import Response
 
-__all__ = ["Execution", "Local", "build", "wire_dtype", "NUMPY"]
+__all__ = ["Blocking", "Execution", "Local", "buckets", "build", "fused", "fused_bytes", "wire_dtype", "NUMPY"]
 
 #: torch dtype names and the numpy dtype of their host copies (bfloat16: reduced as float32).
 NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.float32,
@@ -37,18 +48,18 @@ NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "b
 AVERAGE, SUM, MIN, MAX, PRODUCT = 0, 1, 3, 4, 5
 _MPI_OPS = {AVERAGE: MPI.SUM, SUM: MPI.SUM, MIN: MPI.MIN, MAX: MPI.MAX, PRODUCT: MPI.PROD}
 Step = Callable[[], list[MPI.Request]]
+#: The 16-bit format of float16 sums (the core's :class:`~mpi_gradreducer._core.halves.SliceSum`).
+_FP16 = half_format(np.float16)
 
 
 def wire_dtype(dtype: str, op: int) -> np.dtype:
     """The dtype a tensor of torch dtype ``dtype`` is reduced in with ``op``."""
     if dtype == "float16" and op not in (AVERAGE, SUM):
-        return np.dtype(np.float32)
-    return np.dtype(NUMPY[dtype])
+        return _WIRE["float32"]
+    return _WIRE[dtype]
 
 
-def half_sum(dtype: str, op: int) -> bool:
-    """Whether the tensor travels as float16 and is added in float32 in rank order."""
-    return dtype == "float16" and op in (AVERAGE, SUM)
+_WIRE = {name: np.dtype(t) for name, t in NUMPY.items()}
 
 
 class Local:
@@ -94,13 +105,58 @@ class Execution:
             if self._requests:
                 MPI.Request.Waitall(self._requests)
 
+    def results(self) -> list[list[Any]]:
+        """Per operation of the execution, its outputs on this rank (once done)."""
+        return [self.outputs]
+
+
+class Blocking(Execution):
+    """Work that makes blocking MPI calls: run at once when tested (no ``executor``), or on ``executor``'s thread.
+
+    Args:
+        work: returns, per operation, its outputs.
+        executor: where it runs (None: on the thread that first tests it).
+    """
+
+    def __init__(self, work: Callable[[], list[list[Any]]], executor: Executor | None = None) -> None:
+        super().__init__([])
+        self._work: Callable[[], list[list[Any]]] | None = work
+        self._executor = executor
+        self._future: Future[list[list[Any]]] | None = None
+        self._results: list[list[Any]] = []
+
+    def test(self) -> bool:
+        """True once the work has completed (raises its error)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            if self._executor is None:
+                self._results = work()
+                return True
+            self._future = self._executor.submit(work)
+        if self._future is None:
+            return True
+        if not self._future.done():
+            return False
+        self._results = self._future.result()
+        return True
+
+    def wait(self) -> None:
+        """Complete the work, blocking."""
+        if self._future is not None:
+            self._future.exception()
+        self.test()
+
+    def results(self) -> list[list[Any]]:
+        """Per operation, its outputs on this rank."""
+        return self._results
+
 
 def _offsets(counts: Sequence[int]) -> list[int]:
     return [0, *np.cumsum(counts[:-1], dtype=np.int64).tolist()] if len(counts) else []
 
 
 def _slices(n: int, size: int) -> list[int]:
-    """Elements of ``n`` that each rank sums (the first ``n % size`` one more)."""
+    """Rows of ``n`` that each rank gets (the first ``n % size`` one more)."""
     return [n // size + (1 if r < n % size else 0) for r in range(size)]
 
 
@@ -144,78 +200,121 @@ def _prescale(arr: np.ndarray, pre: float) -> None:
         np.multiply(arr, pre, out=arr, casting="unsafe")
 
 
-def _half_sum(comm: MPI.Intracomm, buf: np.ndarray, scale: float, out: list[Any], index: int) -> list[Step]:
-    """The two steps of a float16 sum: each rank's slice of every rank, added in float32 in rank order, shared."""
-    size, me = comm.Get_size(), comm.Get_rank()
-    counts = _slices(buf.size, size)
-    got = np.empty((size, counts[me]), dtype=np.float16)
-    result = np.empty(buf.size, dtype=np.float16)
-    raw = buf.view(np.uint8)
-
-    def exchange() -> list[MPI.Request]:
-        send = [c * 2 for c in counts]
-        return [comm.Ialltoallv([raw, (send, _offsets(send))],
-                                [got.view(np.uint8), ([counts[me] * 2] * size, _offsets([counts[me] * 2] * size))])]
-
-    def share() -> list[MPI.Request]:
-        total = np.zeros(counts[me], dtype=np.float32)
-        for r in range(size):
-            total += got[r].astype(np.float32)
-        if scale != 1.0:
-            total *= np.float32(scale)
-        mine = total.astype(np.float16)
-        out[index] = result
-        byte_counts = [c * 2 for c in counts]
-        return [comm.Iallgatherv(mine.view(np.uint8), [result.view(np.uint8), (byte_counts, _offsets(byte_counts))])]
-
-    return [exchange, share]
-
-
-def _together(steps: list[Step]) -> Step:
-    """One step that starts ``steps``'s calls."""
-    return lambda: [r for step in steps for r in step()]
-
-
-def _allreduce(comm: MPI.Intracomm, response: Response, local: Local | None) -> Execution:
-    size = comm.Get_size()
+def fused_bytes(response: Response) -> int:
+    """The bytes an allreduce response takes in fusion buffers."""
     ref = response.reference()
-    pre, post = ref.factors
-    outputs: list[Any] = [None] * len(ref.entries)
-    bufs = []
-    for i, (dtype, shape) in enumerate(ref.entries):
-        wire = wire_dtype(dtype, ref.op)
-        count = int(np.prod(shape, dtype=np.int64))
-        if local is None:  # in join(): the identity
-            bufs.append(_identity(wire, count, ref.op))
+    return sum(math.prod(shape) * wire_dtype(dtype, ref.op).itemsize for dtype, shape in ref.entries)
+
+
+def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], threshold: int,
+          scratch: dict[np.dtype, np.ndarray], gather: Gather | None = None) -> list[list[Any]]:
+    """Reduce the allreduce operations ``items`` (one operation and scaling; this rank's arrays, or None in
+    ``join()``) in fusion buffers of up to ``threshold`` bytes per wire dtype (blocking); each operation's outputs.
+
+    The buffers, their order and their members depend only on the
+    operations' entries, so every rank makes the same collectives. A buffer
+    of one tensor is that tensor's own array; fusion buffers are ``scratch``'s,
+    kept for the next call.
+
+    Args:
+        summers: the process set's summers (their ``comm``: its data communicator).
+        items: the operations, in the coordinator's order.
+        threshold: ``HOROVOD_FUSION_THRESHOLD`` (0: every tensor alone).
+        scratch: the process set's fusion buffers by wire dtype.
+        gather: copies a fusion buffer back into its members in one MPI call (the core's
+            :class:`~mpi_gradreducer._core.transport.Gather`; None: numpy copies). They are packed by one
+            ``np.concatenate``.
+    """
+    ref = items[0][0].reference()
+    op, (pre, post) = ref.op, ref.factors
+    outputs: list[list[Any]] = []
+    parts: dict[np.dtype, list[tuple[np.ndarray | None, int]]] = {}
+    for response, local in items:
+        entries = response.reference().entries
+        outputs.append([None] * len(entries) if local is None else list(local.arrays))
+        for i, (dtype, shape) in enumerate(entries):
+            parts.setdefault(wire_dtype(dtype, op), []).append(
+                (None if local is None else local.arrays[i], math.prod(shape)))
+    size = summers.comm.Get_size()
+    for wire, members in parts.items():
+        for bucket in buckets(members, wire.itemsize, threshold):
+            _reduce(summers, bucket, wire, op, pre, post, size, scratch, gather)
+    return outputs
+
+
+def buckets(members: list[tuple[np.ndarray | None, int]], itemsize: int,
+             threshold: int) -> list[list[tuple[np.ndarray | None, int]]]:
+    """Consecutive members in buckets of up to ``threshold`` bytes (a larger member alone)."""
+    out: list[list[tuple[np.ndarray | None, int]]] = []
+    current: list[tuple[np.ndarray | None, int]] = []
+    held = 0
+    for member in members:
+        nbytes = member[1] * itemsize
+        if current and held + nbytes > threshold:
+            out.append(current)
+            current, held = [], 0
+        current.append(member)
+        held += nbytes
+    if current:
+        out.append(current)
+    return out
+
+
+def _reduce(summers: Summers, bucket: list[tuple[np.ndarray | None, int]], wire: np.dtype, op: int, pre: float,
+            post: float, size: int, scratch: dict[np.dtype, np.ndarray], gather: Gather | None) -> None:
+    """Reduce one bucket: pack it (a bucket of one: its own array), sum, unpack."""
+    if len(bucket) == 1:
+        array, count = bucket[0]
+        buf = array if array is not None else _identity(wire, count, op)
+        _prescale(buf, pre)
+        _sum(summers, buf, op, post, size)
+        return
+    total = sum(count for _, count in bucket)
+    held = scratch.get(wire)
+    if held is None or held.shape[0] < total:
+        held = scratch[wire] = np.empty(total, dtype=wire)
+    buf = held[:total]
+    arrays = [array for array, _ in bucket if array is not None]
+    if len(arrays) == len(bucket):  # packed in one numpy call, unpacked in one MPI call where it can
+        np.concatenate(arrays, out=buf)
+        _prescale(buf, pre)
+        _sum(summers, buf, op, post, size)
+        if gather is None or not gather.unpack(buf, arrays):
+            _unpack(buf, bucket)
+        return
+    at = 0
+    for array, count in bucket:
+        if array is None:
+            buf[at:at + count] = _identity(wire, 1, op)[0]
         else:
-            bufs.append(local.arrays[i])
-            _prescale(bufs[-1], pre)
-    halves = [i for i, (dtype, _) in enumerate(ref.entries) if half_sum(dtype, ref.op)]
-    natives = [i for i in range(len(bufs)) if i not in halves]
-    steps: list[Step] = []
+            buf[at:at + count] = array
+        at += count
+    _prescale(buf, pre)
+    _sum(summers, buf, op, post, size)
+    _unpack(buf, bucket)
 
-    def start() -> list[MPI.Request]:
-        requests = []
-        for i in natives:
-            outputs[i] = bufs[i]
-            if bufs[i].size:
-                requests.append(comm.Iallreduce(MPI.IN_PLACE, bufs[i], op=_MPI_OPS[ref.op]))
-        return requests
 
-    def finish() -> list[MPI.Request]:
-        for i in natives:
-            _scale(bufs[i], ref.op, size, post)
-        return []
+def _unpack(buf: np.ndarray, bucket: list[tuple[np.ndarray | None, int]]) -> None:
+    at = 0
+    for array, count in bucket:
+        if array is not None:
+            array[...] = buf[at:at + count]
+        at += count
 
-    steps.append(start)
-    scale = (post / size) if ref.op == AVERAGE else post
-    halves_steps = [_half_sum(comm, bufs[i], scale, outputs, i) for i in halves]
-    for k in range(2):  # the halves' exchanges together, then their shares together
-        steps.append(_together([hs[k] for hs in halves_steps]))
-    steps.append(finish)
-    execution = Execution(steps)
-    execution.outputs = outputs
-    return execution
+
+def _sum(summers: Summers, buf: np.ndarray, op: int, post: float, size: int) -> None:
+    """Reduce ``buf`` over the summers' communicator in place, then average and postscale."""
+    if buf.size == 0:
+        return
+    if op in (AVERAGE, SUM) and buf.dtype.kind in "fc":
+        scale = (post / size) if op == AVERAGE else post
+        if buf.dtype == np.float16:
+            summers.sliced(_FP16).reduce(buf, scale)
+        else:
+            allreduce(summers.comm, buf, scale, summers.chunk_bytes, ordered=summers.ordered(buf.dtype))
+        return
+    allreduce(summers.comm, buf, 1.0, summers.chunk_bytes, op=_MPI_OPS[op])
+    _scale(buf, op, size, post)
 
 
 def _allgather(comm: MPI.Intracomm, response: Response, local: Local) -> Execution:
@@ -325,13 +424,11 @@ def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: in
 
     Args:
         comm: the process set's data communicator.
-        response: the agreed operation (not an error).
-        local: this rank's arrays, or None in ``join()`` (allreduce and barrier only).
+        response: the agreed operation (not an error, not an allreduce: see :func:`fused`).
+        local: this rank's arrays, or None in ``join()`` (barrier only).
         root: the root's rank in ``comm`` (broadcasts), or -1.
     """
     kind = response.kind
-    if kind == "allreduce":
-        return _allreduce(comm, response, local)
     if kind == "barrier":
         return Execution([lambda: [comm.Ibarrier()]])
     if kind in ("check", "join"):

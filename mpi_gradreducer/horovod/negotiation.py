@@ -24,10 +24,12 @@ when every rank has joined.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-__all__ = ["Request", "Response", "Coordinator", "JOIN", "RAGGED", "REDUCING", "SERVED", "describe"]
+__all__ = ["Request", "Response", "Coordinator", "JOIN", "RAGGED", "REDUCING", "SERVED", "Sent", "compact",
+           "describe", "expand"]
 
 #: The key of ``join()``'s request.
 JOIN = "join"
@@ -39,10 +41,11 @@ REDUCING = ("allreduce", "reducescatter")
 SERVED = ("allreduce", "barrier")
 #: Reduction operations by Horovod's value, for messages.
 _OPS = {0: "Average", 1: "Sum", 2: "Adasum", 3: "Min", 4: "Max", 5: "Product"}
+#: Kinds whose every rank's request is the reference (same signature): a plain verdict on them travels as its key.
+_BY_REFERENCE = ("allreduce", "broadcast", "barrier", "reducescatter", "check")
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     """What one rank asks for under one key: enough for the others to check it and to move the data.
 
     Attributes:
@@ -97,8 +100,7 @@ def describe(request: Request) -> str:
     return text
 
 
-@dataclass(frozen=True)
-class Response:
+class Response(NamedTuple):
     """The verdict on one key, the same on every rank of the process set.
 
     Attributes:
@@ -124,6 +126,32 @@ class Response:
         return next(r for r in self.requests if r is not None)
 
 
+#: A verdict as it travels from the coordinator: a :class:`Response`, or only its key (see :func:`compact`).
+Sent = Response | str
+
+
+def compact(response: Response) -> Sent:
+    """What the coordinator sends of ``response``: its key alone when every rank asked the same thing
+    without error and none is in ``join()`` (each rank then knows the rest from its own request), else itself.
+
+    Many small operations a cycle are the common case; their verdicts cost a
+    few bytes each on the wire, not every rank's request.
+    """
+    if response.error is None and not response.joined and response.kind in _BY_REFERENCE:
+        return response.key
+    return response
+
+
+def expand(sent: Sent, mine: Request | None) -> Response | None:
+    """The response that ``sent`` stands for, given this rank's own request under its key (None when this rank
+    has none: a key sent alone then concerns no operation of this rank)."""
+    if isinstance(sent, Response):
+        return sent
+    if mine is None:
+        return None
+    return Response(sent, mine.kind, (mine,))
+
+
 @dataclass
 class Coordinator:
     """The first rank's table of the process set's requests: each key's response once it is ready.
@@ -138,6 +166,7 @@ class Coordinator:
     table: dict[str, dict[int, Request]] = field(default_factory=dict)
     joined: dict[int, int] = field(default_factory=dict)  # rank -> epoch it joined in
     join_order: list[int] = field(default_factory=list)
+    since: dict[str, float] = field(default_factory=dict)  # key -> when a rank first asked for it (monotonic)
 
     def receive(self, rank: int, requests: list[Request]) -> list[Response]:
         """Take ``rank``'s requests (in the order it submitted them); the responses now ready, in order."""
@@ -149,8 +178,27 @@ class Coordinator:
                 out += self._ready(list(self.table))  # a join may complete any key
                 out += self._all_joined(request.epoch)
                 continue
-            self.table.setdefault(request.key, {})[rank] = request
+            got = self.table.get(request.key)
+            if got is None:
+                got = self.table[request.key] = {}
+                self.since[request.key] = time.monotonic()
+            got[rank] = request
             out += self._ready([request.key])
+        return out
+
+    def stalled(self, older_than: float, now: float | None = None) -> dict[str, list[int]]:
+        """The keys some rank asked for at least ``older_than`` seconds ago and that still wait, each with the
+        ranks (global) that have neither asked for it nor joined, oldest key first."""
+        now = time.monotonic() if now is None else now
+        name = (lambda r: self.ranks[r]) if self.ranks else (lambda r: r)
+        out: dict[str, list[int]] = {}
+        for key, since in sorted(self.since.items(), key=lambda item: item[1]):
+            got = self.table.get(key)
+            if not got or now - since < older_than:
+                continue
+            epoch = next(iter(got.values())).epoch
+            joined = self._joined_in(epoch)
+            out[key] = [name(r) for r in range(self.size) if r not in got and r not in joined]
         return out
 
     def _joined_in(self, epoch: int) -> list[int]:
@@ -167,6 +215,7 @@ class Coordinator:
             if len(got) + len(joined) < self.size:
                 continue
             del self.table[key]
+            self.since.pop(key, None)
             out.append(verdict(key, [got.get(r) for r in range(self.size)], joined, self.ranks))
         return out
 
@@ -194,7 +243,7 @@ def verdict(key: str, requests: list[Request | None], joined: list[int], ranks: 
             return Response(key, q.kind, given, tuple(joined), (q.error[0], f"rank {name(r)}: {q.error[1]}"))
     first, ref = mine[0]
     for r, q in mine[1:]:
-        if q.signature() != ref.signature() or q.epoch != ref.epoch:
+        if q != ref and (q.signature() != ref.signature() or q.epoch != ref.epoch):
             ragged = " (only the first dimension may differ)" if ref.kind in RAGGED else ""
             return Response(key, ref.kind, given, tuple(joined), (
                 "RuntimeError",

@@ -19,6 +19,7 @@ every rank.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -26,14 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._core import interop
 from .engine import Handle, Op
 from .exceptions import HorovodInternalError
-from .execute import Local, wire_dtype
+from .execute import NUMPY, Local, wire_dtype
 from .negotiation import JOIN, Request, Response
 from .session import SetInfo, current
 
 __all__ = ["Prepared", "submit", "wait", "set_of", "tensor_arg", "tensors_arg", "entry",
-           "numeric", "raw_bytes", "from_bytes", "factor_arg", "dtype_name"]
+           "numeric", "writable_view", "raw_bytes", "from_bytes", "factor_arg", "dtype_name"]
 
 #: What ``prepare`` returns: the request's fields (but key, kind, what), this rank's arrays, the result maker.
 Prepared = tuple[dict[str, Any], Local | None, Callable[[Response, list[Any]], Any]]
@@ -118,7 +120,7 @@ def submit(what: str, kind: str, process_set: Any, name: Any, prepare: Callable[
         fields = {"error": (type(local_error).__name__, str(local_error))}
         local = None
     request = Request(key, kind, what, **fields)
-    handle = ctx.engine.submit(Op(info.id, request, local, Handle(finish), error_of))
+    handle = ctx.engine.submit(Op(info.id, request, local, Handle(finish, ctx.engine.signal), error_of))
     if local_error is not None and not blocking:
         raise type(local_error)(f"rank {ctx.comm.Get_rank()}: {local_error}") if type(local_error) in \
             _TYPES.values() else RuntimeError(f"rank {ctx.comm.Get_rank()}: {local_error}")
@@ -158,6 +160,8 @@ def tensor_arg(what: str, tensor: Any, argument: str = "tensor") -> torch.Tensor
 
 def factor_arg(what: str, argument: str, value: Any) -> float:
     """A finite real scaling factor."""
+    if type(value) is float and math.isfinite(value):  # the common case, at once
+        return value
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not np.isfinite(float(value)):
@@ -186,6 +190,25 @@ def numeric(t: torch.Tensor, op: int) -> np.ndarray:
     if host.dtype == torch.bfloat16 or host.dtype == torch.float16 and wire == np.float32:
         host = host.float()
     return np.array(host.cpu().numpy(), dtype=wire, copy=True).reshape(-1)
+
+
+def writable_view(t: torch.Tensor, op: int) -> np.ndarray | None:
+    """A writable 1-D host view of ``t``'s own memory when it is reduced in its own dtype with ``op`` (a
+    contiguous CPU tensor of a dtype numpy has), through the core's :func:`~mpi_gradreducer._core.interop.view`;
+    else None."""
+    dtype = _VIEWABLE.get(t.dtype)
+    if dtype is None or not t.is_cpu or not t.is_contiguous() or dtype == np.float16 and op not in _HALF_SUMS:
+        return None
+    a = interop.view(t.detach() if t.requires_grad else t)
+    if not isinstance(a, np.ndarray) or not a.flags.writeable or a.dtype != dtype:
+        return None
+    return a.reshape(-1)
+
+
+#: torch dtypes reduced in their own dtype (float16: under Average and Sum only), and their numpy dtypes.
+_VIEWABLE = {getattr(torch, name): np.dtype(dtype) for name, dtype in NUMPY.items() if name != "bfloat16"}
+#: Operations under which float16 is summed as float16 (Average, Sum).
+_HALF_SUMS = (0, 1)
 
 
 def raw_bytes(t: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,71 @@
+"""A job for the stall inspector and lost peers of ``mpi_gradreducer.horovod`` (2 ranks; see test_horovod_stall.py).
+
+``python horovod_stall.py MODE``; every rank prints ``rank R: ...`` lines:
+
+- ``warn``: rank 0 submits ``only_rank0``; rank 1 submits it 4 s later (the
+  stall warning, after HOROVOD_STALL_CHECK_TIME_SECONDS, names rank 1 and the tensor).
+- ``shutdown``: rank 0 submits ``only_rank0``, rank 1 never does; after
+  HOROVOD_STALL_SHUTDOWN_TIME_SECONDS rank 0's call raises, and rank 1's next call does too.
+- ``exit``: rank 0's operation is in flight when rank 1 leaves the process
+  (no ``hvd.shutdown()``, no call): rank 0's ``synchronize`` raises.
+- ``peer-shutdown``: the same, but rank 1 calls ``hvd.shutdown()`` and stays.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+import mpi_gradreducer.horovod as hvd
+
+mode = sys.argv[1]
+hvd.init()
+me = hvd.rank()
+x = torch.ones(8)
+
+
+def report(what: str, call) -> None:
+    t0 = time.monotonic()
+    try:
+        out = call()
+        print(f"rank {me}: {what} returned {out.tolist()} after {time.monotonic() - t0:.1f} s", flush=True)
+    except Exception as exc:
+        print(f"rank {me}: {what} raised {type(exc).__name__} after {time.monotonic() - t0:.1f} s: {exc}",
+              flush=True)
+
+
+if mode == "warn":
+    if me == 0:
+        report("only_rank0", lambda: hvd.allreduce(x, name="only_rank0", op=hvd.Sum))
+    else:
+        time.sleep(4.0)
+        report("only_rank0", lambda: hvd.allreduce(x, name="only_rank0", op=hvd.Sum))
+    hvd.shutdown()
+elif mode == "shutdown":
+    if me == 0:
+        report("only_rank0", lambda: hvd.allreduce(x, name="only_rank0"))
+    else:
+        time.sleep(6.0)
+        report("later", lambda: hvd.allreduce(x, name="later"))
+    hvd.shutdown()
+elif mode in ("exit", "peer-shutdown"):
+    if me == 0:  # the operation is in flight before rank 1 leaves
+        handle = hvd.allreduce_async(x, name="only_rank0")
+        MPI.COMM_WORLD.send("go", dest=1, tag=7)
+        report("only_rank0", lambda: hvd.synchronize(handle))
+        hvd.shutdown()
+    else:
+        MPI.COMM_WORLD.recv(source=0, tag=7)
+        time.sleep(0.5)
+        if mode == "exit":
+            print(f"rank {me}: leaving", flush=True)
+            sys.exit(0)
+        hvd.shutdown()
+        print(f"rank {me}: shut down", flush=True)
+        time.sleep(3.0)
+else:
+    raise SystemExit(f"unknown mode {mode!r}")
+print(f"rank {me}: done", flush=True)

@@ -1,0 +1,71 @@
+"""``mpi_gradreducer.horovod``'s stall inspector and lost peers, in real 2-rank jobs (``tests/jobs/horovod_stall.py``).
+
+Each job runs under ``mpiexec`` with a hard limit (:func:`conftest.run_job`):
+a hang fails the test instead of the run. Run from a single process.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from mpi4py import MPI
+
+from conftest import run_job
+
+LIMIT = 90.0
+#: Farewells are sent under MPICH only (see ``Engine._farewell``): the same answer in every process.
+FAREWELLS = pytest.mark.skipif(not MPI.Get_library_version().startswith("MPICH"),
+                               reason="a leaving rank tells the others under MPICH only")
+
+
+def _job(mode: str, **env: str):
+    return run_job("horovod_stall.py", mode, ranks=2, runner=False, limit=LIMIT, env=env)
+
+
+def _seconds(job, pattern: str) -> float:
+    found = re.search(pattern + r" after ([0-9.]+) s", job.stdout)
+    assert found, str(job)
+    return float(found.group(1))
+
+
+def test_the_stall_warning_names_the_missing_rank_and_tensor():
+    job = _job("warn", HOROVOD_STALL_CHECK_TIME_SECONDS="2")
+    assert job.returncode == 0, str(job)
+    assert "HOROVOD_STALL_CHECK_TIME_SECONDS" in job.stderr, str(job)
+    assert re.search(r"Missing ranks:\n1: \[only_rank0\]", job.stderr), str(job)
+    assert job.stdout.count("returned [2.0,") == 2, str(job)  # the late rank completes it: a warning only
+
+
+def test_no_warning_when_the_stall_check_is_disabled():
+    job = _job("warn", HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_CHECK_DISABLE="1")
+    assert job.returncode == 0, str(job)
+    assert "Missing ranks" not in job.stderr, str(job)
+
+
+def test_the_stall_shutdown_ends_every_rank_with_an_error():
+    job = _job("shutdown", HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="3")
+    assert job.returncode == 0, str(job)
+    waited = _seconds(job, r"rank 0: only_rank0 raised HorovodInternalError")
+    assert 3.0 <= waited < 20.0, str(job)
+    assert re.search(r"rank 1: later raised HorovodInternalError after [0-9.]+ s: .*HOROVOD_STALL_SHUTDOWN_TIME_"
+                     r"SECONDS=3", job.stdout), str(job)
+    assert "rank 1 has not submitted [only_rank0]" in job.stdout, str(job)
+
+
+@FAREWELLS
+def test_a_peer_that_exits_makes_the_pending_operation_raise():
+    job = _job("exit")
+    assert job.returncode == 0, str(job)
+    waited = _seconds(job, r"rank 0: only_rank0 raised HorovodInternalError")
+    assert waited < 20.0, str(job)
+    assert "rank 1 left Horovod" in job.stdout, str(job)
+
+
+@FAREWELLS
+def test_a_peer_that_shuts_down_makes_the_pending_operation_raise():
+    job = _job("peer-shutdown")
+    assert job.returncode == 0, str(job)
+    waited = _seconds(job, r"rank 0: only_rank0 raised HorovodInternalError")
+    assert waited < 20.0, str(job)
+    assert "rank 1 left Horovod" in job.stdout and "rank 1: shut down" in job.stdout, str(job)
