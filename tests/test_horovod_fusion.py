@@ -138,9 +138,10 @@ def test_every_horovod_variable_is_honoured_ignored_with_a_reason_or_refused():
 
     assert {verdict for verdict, _ in VARIABLES.values()} == {HONOURED, NOT_APPLICABLE, REFUSED}
     got = Settings.from_environment({"HOROVOD_AUTOTUNE": "1", "HOROVOD_CACHE_CAPACITY": "1024",
-                                     "HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_DISABLE_GROUP_FUSION": "1",
+                                     "HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_DISABLE_GROUP_FUSION": "1",
                                      "HOROVOD_CPU_OPERATIONS": "MPI", "HOROVOD_SOURCE": "/elsewhere"})
-    assert not got.hierarchical and not got.group_fusion
+    assert got.hierarchical and not got.group_fusion
+    assert not Settings.from_environment({}).hierarchical, "flat by default, as in Horovod"
     assert [note.split("=")[0] for note in got.ignored] == ["HOROVOD_AUTOTUNE", "HOROVOD_CACHE_CAPACITY"]
     assert "no autotuning" in got.ignored[0]
     with pytest.raises(ValueError, match=r"HOROVOD_CPU_OPERATIONS: expected MPI, got 'gloo': gloo is not supported"):

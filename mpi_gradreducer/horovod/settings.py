@@ -106,8 +106,9 @@ class Settings:
         stall_shutdown: ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``: after how
             long such a stall ends the job with an error on every rank; None
             (Horovod's 0): never.
-        hierarchical: ``HOROVOD_HIERARCHICAL_ALLREDUCE`` (unset: True): sums
-            in two levels where the ranks span hosts (see the core's ``Summers``).
+        hierarchical: ``HOROVOD_HIERARCHICAL_ALLREDUCE`` (unset: False, as in
+            Horovod): sums in two levels where the ranks span hosts (see the
+            core's ``Summers``); else flat, in rank order.
         group_fusion: False with ``HOROVOD_DISABLE_GROUP_FUSION=1``: a
             grouped call's tensors are not fused with other operations'.
         ignored: one warning per variable set that does not apply here.
@@ -120,7 +121,7 @@ class Settings:
     cycle_time: float = CYCLE_TIME
     stall_check: float | None = STALL_CHECK_TIME
     stall_shutdown: float | None = None
-    hierarchical: bool = True
+    hierarchical: bool = False
     group_fusion: bool = True
     ignored: tuple[str, ...] = ()
     timeout: float | None = DEFAULT_TIMEOUT
@@ -151,8 +152,7 @@ class Settings:
         check = _number(env, "HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_CHECK_TIME)
         shutdown = _number(env, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0)
         disabled = _flag(env, "HOROVOD_STALL_CHECK_DISABLE")
-        hierarchical = not env.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip() or \
-            _flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE")
+        hierarchical = _flag(env, "HOROVOD_HIERARCHICAL_ALLREDUCE")
         timeout: float | None = None
         if env.get(TIMEOUT_ENV, "").strip().lower() != "none":
             timeout = _number(env, TIMEOUT_ENV, DEFAULT_TIMEOUT) or None
