@@ -113,7 +113,7 @@ slurm() {
       DEBIAN_FRONTEND=noninteractive timeout --kill-after=10 600 apt-get install -y -qq --no-install-recommends \
         "${packages[@]}" >/dev/null
     fi
-    MPI_GRADREDUCER_SLURM=1 MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 600 \
+    MPI_GRADREDUCER_SLURM=1 MPI_GRADREDUCER_OMPI_VENV="$ompi_venv" timeout --kill-after=10 1500 \
       python -m pytest -q -p no:cacheprovider tests/test_slurm.py -rs
   fi
 }

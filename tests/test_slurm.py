@@ -7,8 +7,8 @@ jobs to it and reads their output:
 - ``sbatch --nodes 2 --ntasks-per-node 2 scripts/slurm_mpiexec.sh`` with the
   ``mpiexec`` of MPICH's venv and of Open MPI's: one world of 4, two ranks on
   each host, that trains (``tests/jobs/singleton_probe.py``) and runs the seed
-  example; and the suite's collective tests of the reducer
-  (``tests/test_reducer.py --only-mpi``) at 2 x 2;
+  example; and the suite's collective tests
+  (``tests --only-mpi``, the 2 x 2 stage) at 2 x 2;
 - ``srun`` directly, with the plugin that ``Launcher.srun_command`` picks
   (``pmi2`` for MPICH, ``pmix`` for Open MPI 5): the same world;
 - ``srun`` with a plugin the MPI cannot use (none for MPICH, ``pmi2`` for
@@ -199,17 +199,17 @@ def test_mpiexec_inside_sbatch_finds_the_allocation(slurm: Slurm, venv: Path):
     assert status == 0 and re.findall(r"^256\.0$", text, re.M) == ["256.0"] * 4, text
 
 
-@pytest.mark.limit(400)
-def test_the_reducer_s_collective_tests_pass_inside_sbatch(slurm: Slurm, venv: Path):
-    """The suite's collective tests of the reducer at 2 nodes x 2 ranks, under sbatch and the venv's mpiexec
-    (20-30 s under either MPI here; Open MPI took 190 s until its idle ranks yielded their cores)."""
+@pytest.mark.limit(900)
+def test_the_collective_tests_pass_inside_sbatch(slurm: Slurm, venv: Path):
+    """The suite's collective tests (``--only-mpi``: the 2 x 2 stage) at 2 nodes x 2 ranks, under sbatch and the
+    venv's mpiexec (Open MPI's idle ranks yield their cores: SHARED_CORES, set by the fixture)."""
     job = slurm.submit("--nodes=2", "--ntasks-per-node=2", "scripts/slurm_mpiexec.sh", str(venv), "-m", "pytest",
-                       "-q", "-p", "no:cacheprovider", "--color=no", "tests/test_reducer.py", "--only-mpi")
-    status, text = slurm.wait(*job, limit=300)
-    assert status == 0, text
-    counts = re.findall(r"^(\d+) passed(?:, \d+ skipped)? in [\d.]+s", text, re.M)
-    assert len(counts) == 4 and len(set(counts)) == 1 and int(counts[0]) > 10, text
-    assert "failed" not in text, text
+                       "-q", "-p", "no:cacheprovider", "--color=no", "tests", "--only-mpi")
+    status, text = slurm.wait(*job, limit=840)
+    assert status == 0, text[-6000:]
+    counts = re.findall(r"^(\d+) passed(?:, \d+ skipped)?(?:, \d+ warnings?)? in [\d.]+s", text, re.M)
+    assert len(counts) == 4 and len(set(counts)) == 1 and int(counts[0]) > 500, text[-6000:]
+    assert not re.search(r"^\d+ failed|^FAILED ", text, re.M), text[-6000:]
 
 
 def test_srun_with_the_launcher_s_plugin_makes_one_world(slurm: Slurm, venv: Path):
