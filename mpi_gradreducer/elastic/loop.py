@@ -72,6 +72,7 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
     why = faults.why_no_ulfm()
     if why is not None and world.comm.Get_rank() == 0:
         _say(f"mpi_gradreducer.elastic: a lost rank will end this job: {why}.")
+
     def lost(exc: BaseException) -> bool:
         """Whether ``exc`` means a lost rank that this job can survive (never elastic mode's own verdict, such
         as too few ranks left, though it was raised while handling a loss)."""
