@@ -89,6 +89,9 @@ class DistributedGradReducer:
         comm = MPI.COMM_WORLD if group is None else group
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {comm!r}")
+        #: What a rebuild carries over (the tuned cap, PowerSGD's state) until it has succeeded: a rebuild cut
+        #: short by another loss takes it from here again, not from the half-made parts.
+        self._carry: tuple[int | None, dict[str, Any] | None] | None = None
         self._setup(comm, parameters, asked)
 
     # -- construction steps -----------------------------------------------------------
@@ -356,14 +359,17 @@ class DistributedGradReducer:
         """
         if not isinstance(group, MPI.Intracomm) or group == MPI.COMM_NULL:
             raise TypeError(f"group: expected an mpi4py intracommunicator, got {group!r}")
-        tuned = self._bucket_bytes if self._tuner is None and self.options.cap is None else None
-        lowrank = self._lowrank.state_dict() if self._lowrank is not None else None
+        if self._carry is None:
+            self._carry = (self._bucket_bytes if self._tuner is None and self.options.cap is None else None,
+                           self._lowrank.state_dict() if self._lowrank is not None else None)
+        tuned, lowrank = self._carry
         self.abandon()
         tuned = group.bcast(tuned, root=0)  # a new rank has not tuned (None): rank 0's choice for all
         self._setup(group, (), self.options, self._specs, tuned)
         if self._lowrank is not None and lowrank is not None:
             shared = self._comm.bcast((lowrank["iteration"], lowrank["q"]), root=0)
             self._lowrank.load_state_dict({"iteration": shared[0], "q": shared[1], "error": lowrank["error"]})
+        self._carry = None
 
     def __enter__(self) -> DistributedGradReducer:
         return self

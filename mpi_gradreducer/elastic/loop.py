@@ -85,10 +85,12 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
         reset = world.join_if_new()
     except JoinFailed as exc:  # never one of the ranks: this process ends as a lost process does
         _say(f"mpi_gradreducer.elastic: {exc}; this process ends, the running ranks go on")
+        sys.stdout.flush()
         # Under Open MPI 5.0.11 every other way out ends the whole job: an exit without MPI_Finalize, or with a
         # failed status, and MPI_Finalize itself crashes after a failed merge. A process killed by a signal is a
         # lost process, which fault tolerance survives: the running ranks go on without it.
         os.kill(os.getpid(), signal.SIGKILL)
+        raise  # not reached
     except BaseException as exc:  # joined, then a rank was lost in the rebuild: recover like the others
         if not lost(exc):
             raise
@@ -136,13 +138,15 @@ def _recover(state: State, world: World, error: BaseException, lost: Callable[[B
     during the recovery itself (a loss in the shrink, the rebuild, a spawn or a merge)."""
     state.rollback()
     earlier: list[str] = []  # the losses of recoveries cut short by another one
+    tries = world.comm.Get_size()  # each try after the first follows another loss: no more than there are ranks
     while True:
         world.shrunk = None
         try:
             state.failure = world.recover(error)
             break
         except BaseException as again:
-            if not lost(again):
+            tries -= 1
+            if not lost(again) or tries <= 0:
                 raise
             if world.shrunk is not None:
                 earlier.append(f"{world.shrunk}, then during the recovery: ")

@@ -357,12 +357,16 @@ class DistributedOptimizer:
         The wrapped torch optimizer, its state and the model are kept; the
         reducer is made again with the options it had, and the gradient
         hooks are registered over its new buffers. A reduction in flight is
-        dropped (the step starts afresh).
+        dropped (the step starts afresh). The new reducer starts afresh too:
+        a ``bucket_bytes="auto"`` cap is tuned again, and PowerSGD starts
+        from its first iteration (unlike a rebuilt
+        :class:`~mpi_gradreducer.DistributedGradReducer`).
 
         Args:
             group: the new ranks, e.g. the survivors of a lost rank.
         """
         self.abandon()
+        self._steps = 0  # every rank goes on from the same synced state (join() picks its root by steps)
         self._attach(group, with_flags(len(self._params), without_flags(self.reducer.options)))
 
     def __enter__(self) -> DistributedOptimizer:
@@ -441,7 +445,7 @@ class DistributedOptimizer:
     # -- protected hooks for subclasses (mpi_gradreducer.horovod) ----------------------------------------
 
     def _side_flags(self) -> int:
-        """How many values of its own a subclass sends with each reduction's flags (called once, in ``__init__``).
+        """How many values of its own a subclass sends with each reduction's flags (called when the reducer is made).
 
         They ride in the last bucket like the flags (averaged over the ranks,
         a rank in ``join()`` counting zeros), so they cost no message.
