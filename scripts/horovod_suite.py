@@ -208,8 +208,10 @@ def run_test(name: str, ranks: int, folder: Path, mpiexec: str, limit: float) ->
     results = [_report(reports / f"rank{r}.xml") for r in range(ranks)]
     tail = log.read_text(errors="replace")[-3000:]
     failures = [f"rank {r}: {d}" for r, res in enumerate(results) if res and res[0] == "failed" for d in [res[1]]]
+    # the cause first: a HorovodInternalError on one rank (another rank failed, or left) follows from another's
+    failures.sort(key=lambda f: "HorovodInternalError" in f)
     if failures:
-        return Outcome(name, ranks, "failed", seconds, "; ".join(failures)[:600])
+        return Outcome(name, ranks, "failed", seconds, "; ".join(f[:300] for f in failures)[:600])
     if timed_out:
         return Outcome(name, ranks, "hung", seconds, f"killed after {limit:.0f} s")
     if any(res is None for res in results) or job.poll() != 0:
