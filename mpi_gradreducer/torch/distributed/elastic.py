@@ -47,10 +47,14 @@ class ElasticGroup:
         if isinstance(pg, MPIProcessGroup):
             yield from pg.communicators()
 
-    def rebuild(self, comm: MPI.Intracomm) -> None:
-        """Drop the default group (no collective) and make it again over ``comm`` (collective)."""
+    def abandon(self) -> None:
+        """Drop the default group: its threads stopped, its communicators freed, no collective (local)."""
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def rebuild(self, comm: MPI.Intracomm) -> None:
+        """Drop the default group (:meth:`abandon`) and make it again over ``comm`` (collective)."""
+        self.abandon()
         init_process_group(comm, self.options, self.timeout)
 
     @staticmethod
