@@ -37,10 +37,16 @@ ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"
 
 
+#: The tests this rank skipped (each skip must be decided alike on every rank: see ``pytest_sessionfinish``).
+_SKIPPED = pytest.StashKey[list[str]]()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report = outcome.get_result()
+    if report.skipped:
+        item.config.stash.setdefault(_SKIPPED, []).append(item.nodeid)
     if report.failed and WORLD.Get_size() > 1:
         sys.stderr.write(
             f"\n=== rank {WORLD.Get_rank()} of {WORLD.Get_size()}: {item.nodeid} failed "
@@ -48,6 +54,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         )
         sys.stderr.flush()
         WORLD.Abort(1)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Under mpiexec, fail the run when the ranks skipped different tests.
+
+    A skip decided on one rank alone leaves the other ranks waiting in any collective that follows; where
+    none followed, the run passed all the same. Every skip must be decided alike on every rank.
+    """
+    if WORLD.Get_size() == 1:
+        return
+    mine = sorted(set(session.config.stash.get(_SKIPPED, [])))
+    every = WORLD.allgather(mine)
+    if all(skips == every[0] for skips in every):
+        return
+    union = sorted(set().union(*every))
+    lines = [f"  {nodeid}: skipped on rank(s) {[r for r, s in enumerate(every) if nodeid in s]}"
+             for nodeid in union if any(nodeid not in s for s in every)]
+    sys.stderr.write(f"\n=== rank {WORLD.Get_rank()}: the ranks skipped different tests (every skip must be "
+                     "decided alike on every rank) ===\n" + "\n".join(lines) + "\n")
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 #: Seconds a collective test (marked ``mpi``) may take, setup and teardown included, before the job is ended
