@@ -1,20 +1,25 @@
-"""An interleaved A/B of two commits on the host benchmark: the regression guard.
+"""Interleaved runs of the host benchmark, side by side: two commits (the regression guard), or several MPIs.
 
 ::
 
     python scripts/bench_compare.py BASE [HEAD] [--rounds 4] [--ranks 4] [-- BENCH ARGS...]
     python scripts/bench_compare.py v0.7.0 HEAD -- --workload resnet50 many-small --methods limit reducer reducer-views
+    python scripts/bench_compare.py --mpis .venv .venv-ompi .venv-impi -- --workload resnet50 many-small
 
-Each commit is checked out once into a temporary worktree (``git worktree
-add --detach``; HEAD may also be the working tree as it is: ``--head-tree``),
-then ``python -m mpi_gradreducer.bench`` (under this venv's ``mpiexec``, with
-``PYTHONPATH`` at that tree) runs for A, B, A, B, ... so that the machine's
-load falls on both alike. For every workload and method, each run's median
-time over the same run's raw-MPI limit is kept; the table gives, for A and
-for B, the median of those ratios over the rounds and their range, and B / A
-(above 1: B is slower). A ratio is compared, not a time: the limit moves
-with the load, and the ratio less so. Nothing is asserted: read the column
-B / A against the rounds' spread.
+Two commits: each is checked out once into a temporary worktree (``git
+worktree add --detach``; HEAD may also be the working tree as it is:
+``--head-tree``), then ``python -m mpi_gradreducer.bench`` (under this
+venv's ``mpiexec``, through ``scripts/mpirun.py``, with ``PYTHONPATH`` at that tree) runs for A, B, A, B,
+... so that the machine's load falls on both alike. ``--mpis``: the working
+tree under each venv's ``python`` and ``mpiexec`` in turn (one venv per MPI,
+as ``scripts/test.sh`` makes them), which gives the per-MPI table.
+
+For every workload and method, each run's median time over the same run's
+raw-MPI limit is kept (the limit of that run's MPI); the table gives, for
+each side, the median of those ratios over the rounds and their range, and
+for two commits B / A (above 1: B is slower). A ratio is compared, not a
+time: the limit moves with the load, and the ratio less so. Nothing is
+asserted: read the columns against the rounds' spread.
 
 The bench's own arguments follow ``--`` (default: ResNet-50 and many small
 tensors, the limit, the reducer on ordinary arrays and on its views, 5
@@ -31,11 +36,14 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from mpi_gradreducer import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
+#: Per run: the ratio to the limit of each method, by workload.
+Ratios = dict[str, dict[str, float]]
 DEFAULT_BENCH = ["--workload", "resnet50", "many-small", "--methods", "limit", "reducer", "reducer-views",
                  "--reps", "5"]
 
@@ -47,18 +55,48 @@ def _tree(rev: str, where: Path) -> Path:
     return where
 
 
-def _run(tree: Path, ranks: int, bench: list[str], out: Path, limit: float) -> dict[str, dict[str, float]]:
-    """One run of the bench with ``tree``'s package; returns ratios to the limit by workload and method."""
-    mpiexec = shutil.which("mpiexec", path=str(Path(sys.executable).parent)) or "mpiexec"
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-    done = jobs.run([mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi_gradreducer.bench", *bench,
-                     "--json", str(out)], timeout=limit, env=env, cwd=tree)
+@dataclass(frozen=True)
+class Side:
+    """What one column runs: the package of ``tree`` under ``python`` (and the ``mpiexec`` beside it)."""
+
+    label: str
+    tree: Path
+    python: str
+
+
+def _run(side: Side, ranks: int, bench: list[str], out: Path, limit: float) -> tuple[str, Ratios]:
+    """One run of the bench; returns the MPI library it ran under and the ratios to the limit by workload
+    and method."""
+    env = {**os.environ, "PYTHONPATH": str(side.tree), "OMP_NUM_THREADS": "1"}
+    # scripts/mpirun.py under the side's python: the mpiexec of its MPI, with that MPI's own line for
+    # more ranks than cores (and, as root, Open MPI's consent)
+    done = jobs.run([side.python, str(ROOT / "scripts" / "mpirun.py"), "--oversubscribe", "-n", str(ranks), "--",
+                     side.python, "-m", "mpi_gradreducer.bench", *bench, "--json", str(out)],
+                    timeout=limit, env=env, cwd=side.tree)
     if done.returncode != 0 or done.timed_out:
-        raise SystemExit(f"bench_compare: the bench failed in {tree} (status {done.returncode}):\n"
+        raise SystemExit(f"bench_compare: the bench failed for {side.label} (status {done.returncode}):\n"
                          f"{(done.stdout + done.stderr)[-3000:]}")
     data = json.loads(out.read_text())
-    return {w: {m: r["ratio_to_limit"] for m, r in info["methods"].items() if m != "limit"}
-            for w, info in data["workloads"].items()}
+    library = str(data.get("environment", {}).get("mpi_library_version", "?")).splitlines()[0][:60]
+    return library, {w: {m: r["ratio_to_limit"] for m, r in info["methods"].items() if m != "limit"}
+                     for w, info in data["workloads"].items()}
+
+
+def _table(sides: list[Side], runs: dict[str, list[Ratios]], pair: bool) -> None:
+    """For each workload and method, each side's median ratio [range] (and B / A for a pair of commits)."""
+    print(f"{'workload':12} {'method':22} " + " ".join(f"{side.label[-20:]:>20}" for side in sides)
+          + (f" {'B / A':>7}" if pair else ""))
+    first = runs[sides[0].label][0]
+    for workload, methods in first.items():
+        for method in methods:
+            cols = []
+            for side in sides:
+                values = [run[workload][method] for run in runs[side.label] if method in run.get(workload, {})]
+                cols.append((statistics.median(values), min(values), max(values)) if values else None)
+            text = " ".join(f"{c[0]:6.2f} [{c[1]:5.2f}-{c[2]:5.2f}]" if c else f"{'-':>20}" for c in cols)
+            if pair and cols[0] and cols[1]:
+                text += f" {cols[1][0] / cols[0][0]:7.3f}"
+            print(f"{workload:12} {method:22} {text}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,42 +106,47 @@ def main(argv: list[str] | None = None) -> int:
         at = argv.index("--")
         argv, bench = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(prog="bench_compare.py", description=__doc__.split("\n")[0])
-    parser.add_argument("base", help="commit A (e.g. a tag, main, a hash)")
+    parser.add_argument("base", nargs="?", help="commit A (e.g. a tag, main, a hash)")
     parser.add_argument("head", nargs="?", default="HEAD", help="commit B (default HEAD)")
     parser.add_argument("--head-tree", action="store_true", help="B is this working tree as it is (uncommitted too)")
+    parser.add_argument("--mpis", nargs="+", metavar="VENV",
+                        help="instead of two commits: the working tree under each of these venvs (one per MPI)")
     parser.add_argument("--rounds", type=int, default=4, help="runs of each, alternated (default 4)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--limit", type=float, default=1200.0, help="seconds one bench run may take")
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.ranks < 1:
         parser.error("--rounds and --ranks: expected at least 1")
+    if (args.base is None) == (args.mpis is None):
+        parser.error("expected either BASE [HEAD] or --mpis VENV...")
+    for venv in args.mpis or ():
+        if not (Path(venv) / "bin" / "python").exists():
+            parser.error(f"--mpis: {venv} has no bin/python")
     scratch = Path(tempfile.mkdtemp(prefix="bench_compare."))
     trees: list[Path] = []
     try:
-        a = _tree(args.base, scratch / "a")
-        trees.append(a)
-        if args.head_tree:
-            b = ROOT
+        if args.mpis:
+            sides = [Side(venv, ROOT, str(Path(venv).absolute() / "bin" / "python")) for venv in args.mpis]
         else:
-            b = _tree(args.head, scratch / "b")
-            trees.append(b)
-        runs: dict[str, list[dict[str, dict[str, float]]]] = {"A": [], "B": []}
+            trees.append(_tree(args.base, scratch / "a"))
+            if not args.head_tree:
+                trees.append(_tree(args.head, scratch / "b"))
+            b = ROOT if args.head_tree else trees[1]
+            sides = [Side("A", trees[0], sys.executable), Side("B", b, sys.executable)]
+        runs: dict[str, list[Ratios]] = {side.label: [] for side in sides}
+        libraries: dict[str, str] = {}
         for r in range(args.rounds):
-            for name, tree in (("A", a), ("B", b)):
-                runs[name].append(_run(tree, args.ranks, bench, scratch / f"{name}{r}.json", args.limit))
-                print(f"round {r + 1}/{args.rounds}: {name} done", file=sys.stderr, flush=True)
-        print(f"A = {args.base}, B = {'the working tree' if args.head_tree else args.head}; {args.ranks} ranks, "
-              f"{args.rounds} rounds alternated; x the same run's limit, median [range]; bench: {' '.join(bench)}")
-        print(f"{'workload':12} {'method':22} {'A':>20} {'B':>20} {'B / A':>7}")
-        for workload, methods in runs["A"][0].items():
-            for method in methods:
-                cols = []
-                for name in ("A", "B"):
-                    values = [run[workload][method] for run in runs[name] if method in run.get(workload, {})]
-                    cols.append((statistics.median(values), min(values), max(values)))
-                (ma, la, ha), (mb, lb, hb) = cols
-                print(f"{workload:12} {method:22} {ma:6.2f} [{la:5.2f}-{ha:5.2f}] {mb:6.2f} [{lb:5.2f}-{hb:5.2f}] "
-                      f"{mb / ma:7.3f}")
+            for k, side in enumerate(sides):
+                libraries[side.label], ratios = _run(side, args.ranks, bench, scratch / f"{k}.{r}.json", args.limit)
+                runs[side.label].append(ratios)
+                print(f"round {r + 1}/{args.rounds}: {side.label} done", file=sys.stderr, flush=True)
+        if args.mpis:
+            print("; ".join(f"{side.label} = {libraries[side.label]}" for side in sides))
+        else:
+            print(f"A = {args.base}, B = {'the working tree' if args.head_tree else args.head}")
+        print(f"{args.ranks} ranks, {args.rounds} rounds alternated; x the same run's limit, median [range]; "
+              f"bench: {' '.join(bench)}")
+        _table(sides, runs, pair=not args.mpis)
         return 0
     finally:
         for tree in trees:
