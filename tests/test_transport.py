@@ -53,33 +53,15 @@ def test_without_a_split_size_a_mean_takes_one_allreduce_a_chunk_and_is_the_same
     assert_same_on_all_ranks(WORLD, [buf])
 
 
-@pytest.mark.parametrize("library, expected", [("MPICH", summers.SPLIT_MEAN_BYTES), ("Open MPI", None),
-                                               ("Intel MPI", summers.SPLIT_MEAN_BYTES), ("", summers.SPLIT_MEAN_BYTES)])
-def test_the_split_size_is_per_mpi_on_one_host_and_the_ring_s_across_hosts(library, expected):
-    assert summers.split_mean_bytes(1, library, {}) == expected
-    assert summers.split_mean_bytes(2, library, {}) == summers.SPLIT_MEAN_BYTES
-    env = {summers.SPLIT_MEAN_ENV: "never"}
-    assert summers.split_mean_bytes(1, library, env) is None
-    assert summers.split_mean_bytes(1, library, {summers.SPLIT_MEAN_ENV: " 1048576 "}) == 1 << 20
-    assert summers.split_mean_bytes(2, library, env) == summers.SPLIT_MEAN_BYTES  # across hosts: not overridden
-    with pytest.raises(ValueError, match="MPI_GRADREDUCER_SPLIT_MEAN_BYTES: expected a byte count or 'never', "
-                                         "got '1 MiB'"):
-        summers.split_mean_bytes(1, library, {summers.SPLIT_MEAN_ENV: "1 MiB"})
-
-
-def test_summers_take_the_loaded_mpi_s_split_and_refuse_different_ones_on_every_rank(monkeypatch):
+def test_one_host_means_take_mpis_allreduce_and_hosts_the_rank_order_sum():
     from mpi_gradreducer._core.topology import Topology
 
     made = summers.Summers(WORLD, Topology.of(WORLD))
     try:
-        assert made.split_mean_bytes == summers.split_mean_bytes(made.count, transport.mpi_library(), {})
+        expected = None if made.count == 1 else summers.SPLIT_MEAN_BYTES
+        assert made.split_mean_bytes == expected, (made.count, made.split_mean_bytes)
     finally:
         made.free()
-    if WORLD.Get_size() == 1:
-        return
-    monkeypatch.setenv(summers.SPLIT_MEAN_ENV, "never" if WORLD.Get_rank() == 0 else "65536")
-    with pytest.raises(ValueError, match="MPI_GRADREDUCER_SPLIT_MEAN_BYTES: the ranks have different values"):
-        summers.Summers(WORLD, Topology.of(WORLD))
 
 
 @pytest.fixture

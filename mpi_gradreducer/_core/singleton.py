@@ -32,8 +32,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .transport import mpi_library
-
 __all__ = ["ALLOW_SINGLETON_ENV", "LaunchClaim", "check_not_singleton", "launch_claims", "singleton_problem"]
 
 #: ``1`` turns the check off (N independent processes, meant so).
@@ -119,6 +117,17 @@ def launch_claims(environ: Mapping[str, str]) -> list[LaunchClaim]:
     return claims
 
 
+def _library(version: str) -> str:
+    """Whose MPI library ``MPI.Get_library_version()`` names: ``"Open MPI"``, ``"Intel MPI"``, ``"MPICH"`` or ``""``."""
+    if "Open MPI" in version:
+        return "Open MPI"
+    if "Intel(R) MPI" in version:
+        return "Intel MPI"
+    if "MPICH" in version:
+        return "MPICH"
+    return ""
+
+
 def _fixes(library: str, mpiexec: str | None, slurm: bool) -> list[str]:
     launcher = f"`{mpiexec}`" if mpiexec else "its own `mpiexec`"
     own = (f"start the job with the mpiexec of the MPI that mpi4py loaded ({library or 'see above'}): {launcher}"
@@ -153,7 +162,7 @@ def singleton_problem(environ: Mapping[str, str], world_size: int, library_versi
     claims = [c for c in launch_claims(environ) if c.tasks > 1]
     if not claims:
         return None
-    library = mpi_library(library_version)
+    library = _library(library_version)
     first_line = " ".join(library_version.strip().splitlines()[0].split()) if library_version.strip() else "unknown"
     said = "; ".join(f"{c.launcher}: {', '.join(c.variables)}" for c in claims)
     most = max(c.tasks for c in claims)

@@ -23,39 +23,27 @@ through :class:`~.transport.Exchange`.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
-from . import agreement, transport
+from . import transport
 from .halves import CAST_PIECES, CastSum, SliceSum
 from .topology import Topology
 from .transport import CHUNK_BYTES, Exchange
 from .wire import Compression
 
-__all__ = ["GATHERED_SUM_BYTES", "ONE_HOST_SPLIT_MEAN_BYTES", "SPLIT_MEAN_BYTES", "SPLIT_MEAN_ENV", "LevelledScatter",
-           "OrderedSum", "Summer", "Summers", "allreduce", "split_mean_bytes"]
+__all__ = ["GATHERED_SUM_BYTES", "SPLIT_MEAN_BYTES", "LevelledScatter", "OrderedSum", "Summer", "Summers",
+           "allreduce"]
 
-#: A mean of a chunk from this size up is summed by :class:`OrderedSum` (each
-#: rank sums and scales one slice; across hosts in two levels, which send the
-#: ring's bytes across the links); below it one Allreduce has less latency.
+#: Where the ranks span hosts, a mean of a chunk from this size up is summed by
+#: the (two-level) :class:`OrderedSum`, which sends the ring's bytes across the
+#: links; below it one Allreduce has less latency. On one host every mean takes
+#: one ``Allreduce`` and a scaling pass (:attr:`Summers.split_mean_bytes`).
 SPLIT_MEAN_BYTES = 256 << 10
-#: On one host, per MPI library, the size that takes :data:`SPLIT_MEAN_BYTES`'s
-#: place (None: every mean is one ``Allreduce`` and a scaling pass, which cost
-#: Open MPI less there than the rank-order sum's two collectives; measured with
-#: ``scripts/bench_compare.py``, ``docs/performance.rst``, "The constants").
-#: Intel MPI keeps the rank-order sum although its own ``Allreduce`` was faster:
-#: that one's large sums came out with other bits on a communication thread than
-#: in the caller's (``tests/test_async.py``), and results must not depend on that.
-ONE_HOST_SPLIT_MEAN_BYTES: Mapping[str, int | None] = MappingProxyType({
-    "MPICH": SPLIT_MEAN_BYTES, "Open MPI": None, "Intel MPI": SPLIT_MEAN_BYTES})
-#: Overrides the size on one host: bytes, or ``never`` (every mean by ``Allreduce``).
-SPLIT_MEAN_ENV = "MPI_GRADREDUCER_SPLIT_MEAN_BYTES"
 #: Chunks up to this size are summed in rank order by gathering them whole on
 #: every rank (one collective); larger ones one slice per rank (two).
 GATHERED_SUM_BYTES = 128 << 10
@@ -239,51 +227,6 @@ class OrderedSum:
         return self._scratch[:count]
 
 
-def split_mean_bytes(hosts: int, library: str | None = None, environ: Mapping[str, str] | None = None
-                     ) -> int | None:
-    """The smallest chunk of a mean that the rank-order sum takes (None: none, every mean is one ``Allreduce``).
-
-    Across hosts :data:`SPLIT_MEAN_BYTES`; on one host the size for the MPI
-    library (:data:`ONE_HOST_SPLIT_MEAN_BYTES`; an unknown library: as MPICH),
-    or :data:`SPLIT_MEAN_ENV`'s value where it is set.
-
-    Args:
-        hosts: the number of hosts the ranks span.
-        library: the MPI library's name, as :func:`~.transport.mpi_library` gives it (default: the loaded one's).
-        environ: the environment (default ``os.environ``).
-
-    Raises:
-        ValueError: :data:`SPLIT_MEAN_ENV` is neither a byte count nor ``never``.
-    """
-    if hosts > 1:
-        return SPLIT_MEAN_BYTES
-    text = (os.environ if environ is None else environ).get(SPLIT_MEAN_ENV, "").strip()
-    if text:
-        if text.lower() == "never":
-            return None
-        if not text.isdigit():
-            raise ValueError(f"{SPLIT_MEAN_ENV}: expected a byte count or 'never', got {text!r}")
-        return int(text)
-    name = transport.mpi_library() if library is None else library
-    return ONE_HOST_SPLIT_MEAN_BYTES.get(name, SPLIT_MEAN_BYTES)
-
-
-def _agreed_split(comm: MPI.Comm, hosts: int) -> int | None:
-    """:func:`split_mean_bytes` where every rank of ``comm`` has the same, else a ``ValueError`` on every rank
-    (the ranks would make different collectives)."""
-    value, error = None, None
-    try:
-        value = split_mean_bytes(hosts)
-    except ValueError as e:
-        error = e
-    try:
-        agreement.raise_if_any(comm, error, [-1 if value is None else value])
-    except agreement.ChecksDiffer:
-        raise ValueError(f"{SPLIT_MEAN_ENV}: the ranks have different values (here {value}); set the same on every "
-                         "rank") from None
-    return value
-
-
 def _sum_rows(rows: np.ndarray, out: np.ndarray, scale: float) -> None:
     """``out = (((rows[0] + rows[1]) + rows[2]) + ...) * scale``, in ``out``'s dtype."""
     np.add(rows[0], rows[1], out=out)
@@ -373,8 +316,9 @@ class Summers:
             on each of several hosts; see :meth:`cast`).
         chunk_bytes: the bytes of one collective: ``CHUNK_BYTES`` on one host, ``CHUNK_BYTES_ACROSS_HOSTS``
             across hosts.
-        split_mean_bytes: what :func:`allreduce` takes as its ``split_mean_bytes`` (see
-            :func:`split_mean_bytes`).
+        split_mean_bytes: what :func:`allreduce` takes as its ``split_mean_bytes``: ``SPLIT_MEAN_BYTES``
+            across hosts; None on one host, where MPI's own ``Allreduce`` and a scaling pass cost less than
+            the rank-order sum's two collectives (``docs/performance.rst``, "The constants").
         node: the ranks of this host (two levels only).
         across: the ranks with this rank's place on every host (two levels only).
     """
@@ -385,7 +329,7 @@ class Summers:
         self.count = topology.hosts
         even = topology.ranks_per_host is not None
         self.chunk_bytes = CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
-        self.split_mean_bytes = _agreed_split(comm, self.count)
+        self.split_mean_bytes: int | None = None if self.count == 1 else SPLIT_MEAN_BYTES
         self.two_levels = bool(two_levels) and even and 1 < topology.local_size < comm.Get_size()
         self.casts_across = bool(two_levels) and even and self.count > 1
         self.node: MPI.Intracomm | None = None

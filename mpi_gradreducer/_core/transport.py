@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHER_MEMBERS", "Exchange", "Gather", "cuda_support",
-           "mpi_library"]
+__all__ = ["CHUNK_BYTES", "CHUNK_BYTES_ACROSS_HOSTS", "GATHER_MEMBERS", "Exchange", "Gather", "cuda_support"]
 
 #: Largest single collective. MPICH's shared-memory Allreduce is markedly slower
 #: per byte on messages above a few MiB, and a chunk that was just reduced is
@@ -126,19 +125,6 @@ class Gather:
             return None  # a member that lies in the buffer itself is copied by numpy
         self._type = MPI.BYTE.Create_hindexed(sizes, [MPI.Get_address(g) for g in members]).Commit()
         return self._type
-
-
-def mpi_library(version: str | None = None) -> str:
-    """Whose MPI library ``version`` (default: ``MPI.Get_library_version()``, the one mpi4py loaded) names:
-    ``"Open MPI"``, ``"Intel MPI"``, ``"MPICH"`` or ``""``."""
-    version = MPI.Get_library_version() if version is None else version
-    if "Open MPI" in version:
-        return "Open MPI"
-    if "Intel(R) MPI" in version:
-        return "Intel MPI"
-    if "MPICH" in version:
-        return "MPICH"
-    return ""
 
 
 def cuda_support() -> tuple[bool | None, str]:
