@@ -41,29 +41,6 @@ def test_large_means_take_the_reduce_scatter_path():
     np.testing.assert_array_equal(buf, WORLD.Get_size() * 0.5)
 
 
-def test_without_a_split_size_a_mean_takes_one_allreduce_a_chunk_and_is_the_same_on_every_rank():
-    rng = np.random.default_rng(77 + WORLD.Get_rank())
-    mine = rng.standard_normal(3 * (1 << 18) + 11).astype(np.float32)  # 3 chunks of 1 MiB and a few more
-    everyone = np.empty((WORLD.Get_size(), mine.size), np.float32)
-    WORLD.Allgather(mine, everyone)
-    buf = mine.copy()
-    calls = summers.allreduce(WORLD, buf, 0.25, chunk_bytes=1 << 20, split_mean_bytes=None)
-    assert calls == 4
-    np.testing.assert_allclose(buf, everyone.astype(np.float64).sum(axis=0) * 0.25, rtol=1e-5, atol=1e-6)
-    assert_same_on_all_ranks(WORLD, [buf])
-
-
-def test_one_host_means_take_mpis_allreduce_and_hosts_the_rank_order_sum():
-    from mpi_gradreducer._core.topology import Topology
-
-    made = summers.Summers(WORLD, Topology.of(WORLD))
-    try:
-        expected = None if made.count == 1 else summers.SPLIT_MEAN_BYTES
-        assert made.split_mean_bytes == expected, (made.count, made.split_mean_bytes)
-    finally:
-        made.free()
-
-
 @pytest.fixture
 def local():
     comm = MPI.COMM_SELF.Dup()

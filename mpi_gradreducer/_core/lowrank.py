@@ -405,8 +405,7 @@ class LowRankPath:
         def reduce(data: Any) -> int:
             ordered = self.summers.ordered(data.dtype) if isinstance(data, np.ndarray) else None
             return allreduce(self.comm, data, scale, self.summers.chunk_bytes, ordered=ordered,
-                             every_chunk=self.options.deterministic,
-                             split_mean_bytes=self.summers.split_mean_bytes)
+                             every_chunk=self.options.deterministic)
 
         if g.host or self.options.cuda_aware:
             if g.ops is not None:

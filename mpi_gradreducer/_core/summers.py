@@ -39,10 +39,8 @@ from .wire import Compression
 __all__ = ["GATHERED_SUM_BYTES", "SPLIT_MEAN_BYTES", "LevelledScatter", "OrderedSum", "Summer", "Summers",
            "allreduce"]
 
-#: Where the ranks span hosts, a mean of a chunk from this size up is summed by
-#: the (two-level) :class:`OrderedSum`, which sends the ring's bytes across the
-#: links; below it one Allreduce has less latency. On one host every mean takes
-#: one ``Allreduce`` and a scaling pass (:attr:`Summers.split_mean_bytes`).
+#: From this chunk size up, a mean is summed by :class:`OrderedSum` (each rank
+#: sums and scales one slice); below it one Allreduce has less latency.
 SPLIT_MEAN_BYTES = 256 << 10
 #: Chunks up to this size are summed in rank order by gathering them whole on
 #: every rank (one collective); larger ones one slice per rank (two).
@@ -61,15 +59,14 @@ def allreduce(
     after: Callable[[Any], None] | None = None,
     ordered: Summer | None = None,
     every_chunk: bool = False,
-    split_mean_bytes: int | None = SPLIT_MEAN_BYTES,
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
-    A mean (``scale`` != 1) of a host chunk of at least ``split_mean_bytes``
-    is summed in rank order by :class:`OrderedSum` (each rank sums one slice,
-    scales it while it is in cache, and the slices are shared): each rank
-    multiplies 1/size of the data, and the process's memory stays flat
-    (MPICH's ``Reduce_scatter_block`` grows it with every call). With ``every_chunk``
+    A mean (``scale`` != 1) of a large host chunk is summed in rank order by
+    :class:`OrderedSum` (each rank sums one slice, scales it while it is in
+    cache, and the slices are shared): each rank multiplies 1/size of the
+    data, and the process's memory stays flat (MPICH's
+    ``Reduce_scatter_block`` grows it with every call). With ``every_chunk``
     every chunk is summed so, whatever its size: each element is then
     ``((g0 + g1) + g2) + ...`` whatever the chunk boundaries. Other chunks
     take one ``Allreduce`` and are scaled right after it, while in cache.
@@ -86,8 +83,6 @@ def allreduce(
             two levels, or 16 bits across hosts: a :data:`Summer`; its scratch
             buffers are reused); a rank-order one is made for this call when needed and None.
         every_chunk: sum every chunk in rank order (host buffers, ``MPI.SUM``).
-        split_mean_bytes: the smallest chunk of a mean summed by ``ordered``
-            (None: none; :attr:`Summers.split_mean_bytes` is the reducer's).
 
     Returns:
         The number of collective calls made.
@@ -95,8 +90,8 @@ def allreduce(
     n = buf.shape[0]
     step = chunk_bytes // buf.itemsize or 1
     host_sum = op == MPI.SUM and isinstance(buf, np.ndarray) and comm.Get_size() > 1
-    split = host_sum and (every_chunk or (scale != 1.0 and split_mean_bytes is not None))
-    least = 0 if every_chunk or split_mean_bytes is None else split_mean_bytes
+    split = host_sum and (every_chunk or scale != 1.0)
+    least = 0 if every_chunk else SPLIT_MEAN_BYTES
     calls = 0
     for start in range(0, n, step):
         chunk = buf[start : start + step]
@@ -316,9 +311,6 @@ class Summers:
             on each of several hosts; see :meth:`cast`).
         chunk_bytes: the bytes of one collective: ``CHUNK_BYTES`` on one host, ``CHUNK_BYTES_ACROSS_HOSTS``
             across hosts.
-        split_mean_bytes: what :func:`allreduce` takes as its ``split_mean_bytes``: ``SPLIT_MEAN_BYTES``
-            across hosts; None on one host, where MPI's own ``Allreduce`` and a scaling pass cost less than
-            the rank-order sum's two collectives (``docs/performance.rst``, "The constants").
         node: the ranks of this host (two levels only).
         across: the ranks with this rank's place on every host (two levels only).
     """
@@ -329,7 +321,6 @@ class Summers:
         self.count = topology.hosts
         even = topology.ranks_per_host is not None
         self.chunk_bytes = CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
-        self.split_mean_bytes: int | None = None if self.count == 1 else SPLIT_MEAN_BYTES
         self.two_levels = bool(two_levels) and even and 1 < topology.local_size < comm.Get_size()
         self.casts_across = bool(two_levels) and even and self.count > 1
         self.node: MPI.Intracomm | None = None
