@@ -52,6 +52,23 @@ def test_async_and_readiness_match_the_blocking_call_bitwise(progress):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("mean", [False, True])
+def test_large_sums_are_the_same_bits_call_after_call_and_asynchronously(mean):
+    """Large chunks (MPI's own Allreduce of them is not reproducible under every MPI), with random data."""
+    shapes = [(300, 1024), (1000,), (2048, 1024)]
+
+    def grads(seed):
+        rng = np.random.default_rng(seed + 1000 * WORLD.Get_rank())
+        return [rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    with DistributedGradReducer([np.zeros(s, np.float32) for s in shapes], mean=mean, progress="thread") as reducer:
+        for seed in range(4):
+            first = [g.tobytes() for g in reducer(grads(seed))]
+            assert [g.tobytes() for g in reducer(grads(seed))] == first, f"seed {seed}: a second blocking call"
+            assert [g.tobytes() for g in reducer.reduce_async(grads(seed)).wait()] == first, f"seed {seed}: async"
+
+
+@pytest.mark.mpi
 def test_buckets_launch_before_wait_and_done_polls():
     with DistributedGradReducer(_params(), bucket_bytes=4 << 10, progress="thread") as reducer:
         grads = [np.full(s, rank_value(WORLD, 2.0), np.float32) for s in SHAPES]

@@ -80,7 +80,7 @@ class Context:
                 made = summer.reduce(buf, call.scale, after)
             else:
                 made = allreduce(self.comm, buf, call.scale, self._chunk, MPI.SUM, after, summer,
-                                 every_chunk or self._every_chunk)
+                                 every_chunk or self._every_chunk, self.summers.split_sums)
         finally:
             if wd is not None:
                 wd.disarm()
@@ -97,7 +97,7 @@ class Context:
             elif summer is None:
                 ordered = self.summers.ordered(data.dtype) if isinstance(data, np.ndarray) else None
                 made = allreduce(self.comm, data, scale, self._chunk, ordered=ordered,
-                                 every_chunk=self._every_chunk)
+                                 every_chunk=self._every_chunk, split_sums=self.summers.split_sums)
             else:
                 made = allreduce(self.comm, data, scale, chunk_bytes or self._chunk, ordered=summer,
                                  every_chunk=True)

@@ -405,7 +405,7 @@ class LowRankPath:
         def reduce(data: Any) -> int:
             ordered = self.summers.ordered(data.dtype) if isinstance(data, np.ndarray) else None
             return allreduce(self.comm, data, scale, self.summers.chunk_bytes, ordered=ordered,
-                             every_chunk=self.options.deterministic)
+                             every_chunk=self.options.deterministic, split_sums=self.summers.split_sums)
 
         if g.host or self.options.cuda_aware:
             if g.ops is not None:

@@ -59,6 +59,7 @@ def allreduce(
     after: Callable[[Any], None] | None = None,
     ordered: Summer | None = None,
     every_chunk: bool = False,
+    split_sums: bool = False,
 ) -> int:
     """Sum a 1-D contiguous buffer over ``comm`` in place, chunk by chunk.
 
@@ -66,7 +67,9 @@ def allreduce(
     :class:`OrderedSum` (each rank sums one slice, scales it while it is in
     cache, and the slices are shared): each rank multiplies 1/size of the
     data, and the process's memory stays flat (MPICH's
-    ``Reduce_scatter_block`` grows it with every call). With ``every_chunk``
+    ``Reduce_scatter_block`` grows it with every call); with ``split_sums``,
+    so is a large sum (an MPI whose own ``Allreduce`` of large messages is
+    not reproducible: :attr:`Summers.split_sums`). With ``every_chunk``
     every chunk is summed so, whatever its size: each element is then
     ``((g0 + g1) + g2) + ...`` whatever the chunk boundaries. Other chunks
     take one ``Allreduce`` and are scaled right after it, while in cache.
@@ -83,6 +86,7 @@ def allreduce(
             two levels, or 16 bits across hosts: a :data:`Summer`; its scratch
             buffers are reused); a rank-order one is made for this call when needed and None.
         every_chunk: sum every chunk in rank order (host buffers, ``MPI.SUM``).
+        split_sums: sum large chunks in rank order also where ``scale`` is 1.
 
     Returns:
         The number of collective calls made.
@@ -90,7 +94,7 @@ def allreduce(
     n = buf.shape[0]
     step = chunk_bytes // buf.itemsize or 1
     host_sum = op == MPI.SUM and isinstance(buf, np.ndarray) and comm.Get_size() > 1
-    split = host_sum and (every_chunk or scale != 1.0)
+    split = host_sum and (every_chunk or split_sums or scale != 1.0)
     least = 0 if every_chunk else SPLIT_MEAN_BYTES
     calls = 0
     for start in range(0, n, step):
@@ -311,6 +315,10 @@ class Summers:
             on each of several hosts; see :meth:`cast`).
         chunk_bytes: the bytes of one collective: ``CHUNK_BYTES`` on one host, ``CHUNK_BYTES_ACROSS_HOSTS``
             across hosts.
+        split_sums: large sums go through the rank-order sum too (:func:`allreduce`'s ``split_sums``), as
+            means do: under Intel MPI, whose own ``Allreduce`` of a large message gave other bits from one
+            call to the next with the same input (so a call would not match itself, nor its asynchronous
+            twin); MPICH's and Open MPI's did not.
         node: the ranks of this host (two levels only).
         across: the ranks with this rank's place on every host (two levels only).
     """
@@ -321,6 +329,7 @@ class Summers:
         self.count = topology.hosts
         even = topology.ranks_per_host is not None
         self.chunk_bytes = CHUNK_BYTES if self.count == 1 else transport.CHUNK_BYTES_ACROSS_HOSTS
+        self.split_sums = "Intel(R) MPI" in MPI.Get_library_version()
         self.two_levels = bool(two_levels) and even and 1 < topology.local_size < comm.Get_size()
         self.casts_across = bool(two_levels) and even and self.count > 1
         self.node: MPI.Intracomm | None = None

@@ -311,7 +311,8 @@ def _sum(summers: Summers, buf: np.ndarray, op: int, post: float, size: int) -> 
         if buf.dtype == np.float16:
             summers.sliced(_FP16).reduce(buf, scale)
         else:
-            allreduce(summers.comm, buf, scale, summers.chunk_bytes, ordered=summers.ordered(buf.dtype))
+            allreduce(summers.comm, buf, scale, summers.chunk_bytes, ordered=summers.ordered(buf.dtype),
+                      split_sums=summers.split_sums)
         return
     allreduce(summers.comm, buf, 1.0, summers.chunk_bytes, op=_MPI_OPS[op])
     _scale(buf, op, size, post)
