@@ -156,7 +156,7 @@ def check_shared(args: argparse.Namespace) -> str | None:
 
 
 def start(make_parser: Callable[[int], argparse.ArgumentParser], argv: Sequence[str], comm: MPI.Intracomm | None,
-          check: Callable[[argparse.Namespace], str | None] | None = None
+          check: Callable[[argparse.Namespace], str | None] | None = None, shared: bool = True
           ) -> tuple[argparse.Namespace, MPI.Intracomm, Callable[[str], None]]:
     """Parse and check a benchmark's options (collective), and set up its run.
 
@@ -165,6 +165,7 @@ def start(make_parser: Callable[[int], argparse.ArgumentParser], argv: Sequence[
         argv: the arguments.
         comm: the communicator to run over (default ``MPI.COMM_WORLD``).
         check: the benchmark's own check of its options, after :func:`check_shared`.
+        shared: the parser has :func:`add_shared_options`' options, to be checked (False: it has not).
 
     Returns:
         The options, the run's own duplicate of ``comm`` (free it when done)
@@ -175,7 +176,7 @@ def start(make_parser: Callable[[int], argparse.ArgumentParser], argv: Sequence[
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     def checks(args: argparse.Namespace) -> str | None:
-        return check_shared(args) or (check(args) if check is not None else None)
+        return (check_shared(args) if shared else None) or (check(args) if check is not None else None)
 
     args = parse(make_parser(comm.Get_rank()), argv, comm, checks)
     own = comm.Dup()

@@ -38,9 +38,9 @@ from typing import Any
 
 from mpi4py import MPI
 
-from .cli import RankParser, parse, run_as_script
+from .cli import RankParser, run_as_script, start
 from .environment import environment, loadavg
-from .output import rank0_printer, write_json
+from .output import write_json
 from .timing import Case, all_close, expected_sum, fill_value, time_cases
 
 __all__ = ["METHODS", "bench_small", "format_small", "main"]
@@ -175,10 +175,7 @@ def main(argv: Sequence[str] | None = None, comm: MPI.Intracomm | None = None) -
         SystemExit: on every rank alike, for ``--help`` and bad options.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    base = MPI.COMM_WORLD if comm is None else comm
-    args = parse(_parser(base.Get_rank()), argv, base, _check)
-    comm = base.Dup()
-    say = rank0_printer(comm.Get_rank())
+    args, comm, say = start(_parser, argv, comm, _check, shared=False)
     try:
         results: dict[str, Any] = {"environment": environment(comm, "mpi_gradreducer.bench horovod", argv)}
         results["small"] = bench_small(comm, args.count, args.bytes, args.methods, args.reps, args.warmup)
