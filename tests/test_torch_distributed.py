@@ -266,6 +266,26 @@ def test_gather_and_scatter_every_root(torch, dist):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("wrong", ["count", "size"])  # (dtype and type: torch checks them itself, on the root)
+def test_a_bad_root_list_raises_on_every_rank_naming_the_entry(torch, dist, wrong):
+    root = SIZE - 1
+    good = [torch.zeros(3) for _ in range(SIZE)]
+    bad = {"count": good[:-1] or [torch.zeros(3), torch.zeros(3)], "size": [*good[:-1], torch.zeros(4)]}[wrong]
+    expected = {"count": rf": expected {SIZE} tensors \(one per rank\) at the root, got {len(bad)}",
+                "size": rf"\[{SIZE - 1}\]: expected 3 elements of torch.float32, got 4 of torch.float32"}[wrong]
+    for op in ("gather", "scatter"):
+        mine = torch.full((3,), float(RANK))
+        said = f"rank {root}: " if SIZE > 1 else ""
+        with pytest.raises((TypeError, ValueError), match=f"{said}{op}: {op}_list{expected}"):
+            if op == "gather":
+                dist.gather(mine, bad if RANK == root else None, dst=root)
+            else:
+                dist.scatter(mine, bad if RANK == root else None, src=root)
+        assert torch.equal(mine, torch.full((3,), float(RANK)))  # nothing written
+    dist.gather(torch.ones(3), good if RANK == root else None, dst=root)  # and the group goes on
+
+
+@pytest.mark.mpi
 def test_all_to_all_single_even_and_uneven(torch, dist):
     x = torch.arange(2 * SIZE, dtype=torch.float64) + 100 * RANK
     y = torch.empty(2 * SIZE, dtype=torch.float64)

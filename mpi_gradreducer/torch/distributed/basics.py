@@ -87,6 +87,20 @@ def _tensor(t: Any, what: str, operation: str) -> torch.Tensor:
     return t
 
 
+def _per_rank(lists: list[list[Any]], size: int, like: torch.Tensor, name: str, operation: str
+              ) -> list[torch.Tensor]:
+    """The root's one list of ``size`` tensors (``gather_list``, ``scatter_list``), each checked against ``like``."""
+    if len(lists) != 1 or len(lists[0]) != size:
+        raise ValueError(f"{operation}: {name}: expected {size} tensors (one per rank) at the root, got "
+                         f"{sum(len(x) for x in lists)}")
+    for j, t in enumerate(lists[0]):
+        _tensor(t, f"{name}[{j}]", operation)
+        if t.dtype != like.dtype or t.numel() != like.numel():
+            raise ValueError(f"{operation}: {name}[{j}]: expected {like.numel()} elements of {like.dtype}, "
+                             f"got {t.numel()} of {t.dtype}")
+    return lists[0]
+
+
 def _row(t: torch.Tensor, shape: bool = True) -> tuple[int, ...]:
     code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else len(_DTYPES) + digest([str(t.dtype)]) % 1000
     return (code, t.dim(), *(t.shape if shape else ()))

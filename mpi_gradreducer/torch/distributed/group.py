@@ -35,6 +35,7 @@ from .basics import (
     _dtype_name,
     _env_has,
     _Host,
+    _per_rank,
     _reduction,
     _row,
     _tensor,
@@ -523,15 +524,7 @@ class MPIProcessGroup(dist.ProcessGroup):
             t = _tensor(inputs[0], "tensor", "gather")
             rows.append(_row(t))
             if rank == root:
-                if len(lists) != 1 or len(lists[0]) != size:
-                    raise ValueError(f"gather: gather_list: expected {size} tensors (one per rank) at the root, got "
-                                     f"{sum(len(x) for x in lists)}")
-                for j, o in enumerate(lists[0]):
-                    _tensor(o, f"gather_list[{j}]", "gather")
-                    if o.dtype != t.dtype or o.numel() != t.numel():
-                        raise ValueError(f"gather: gather_list[{j}]: expected {t.numel()} elements of {t.dtype}, "
-                                         f"got {o.numel()} of {o.dtype}")
-                outs = [_Host(o, read=False) for o in lists[0]]
+                outs = [_Host(o, read=False) for o in _per_rank(lists, size, t, "gather_list", "gather")]
             inp = _Host(t)
         except (TypeError, ValueError) as exc:
             error = exc
@@ -566,15 +559,8 @@ class MPIProcessGroup(dist.ProcessGroup):
             t = _tensor(outputs[0], "tensor", "scatter")
             rows.append(_row(t))
             if rank == root:
-                if len(lists) != 1 or len(lists[0]) != size:
-                    raise ValueError(f"scatter: scatter_list: expected {size} tensors (one per rank) at the root, got "
-                                     f"{sum(len(x) for x in lists)}")
-                for j, p in enumerate(lists[0]):
-                    _tensor(p, f"scatter_list[{j}]", "scatter")
-                    if p.dtype != t.dtype or p.numel() != t.numel():
-                        raise ValueError(f"scatter: scatter_list[{j}]: expected {t.numel()} elements of {t.dtype}, "
-                                         f"got {p.numel()} of {p.dtype}")
-                send = _Host(torch.cat([p.detach().reshape(-1).cpu() for p in lists[0]]))
+                parts = _per_rank(lists, size, t, "scatter_list", "scatter")
+                send = _Host(torch.cat([p.detach().reshape(-1).cpu() for p in parts]))
             out = _Host(t, read=False)
         except (TypeError, ValueError) as exc:
             error = exc
