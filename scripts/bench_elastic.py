@@ -240,7 +240,7 @@ def _chaos(out: Path, steps: int, period: float | None, rng: random.Random, limi
         while job.poll() is None:
             if time.monotonic() > deadline:
                 raise ChaosError(f"the job did not end within {limit} s:\n{job.finish(5).stdout[-3000:]}")
-            if started is None and any(p.read_text().startswith("commit") for p in out.glob("log.*")):
+            if started is None and any("commit " in p.read_text() for p in out.glob("log.*")):
                 started = time.monotonic()
             if period and started is not None and time.monotonic() - started >= period * (len(kills) + 1) \
                     and (most is None or len(kills) < most):

@@ -191,6 +191,7 @@ def test_replacement_joins_mid_run(tmp_path: Path) -> None:
         new = [p for p in logs if (out / f"pid.new.{p}").exists()]
         assert len(new) == 1, f"expected one replacement among the finishers, got {new}"
         assert any(line.startswith("resume ") and line.split()[2] == "4" for line in logs[new[0]])
+        assert logs[new[0]][0] == "start 4 3", logs[new[0]][:3]  # its state said the world it joins from its start
 
 
 @needs_ompi

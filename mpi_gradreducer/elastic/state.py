@@ -52,13 +52,13 @@ class State:
 
     @property
     def rank(self) -> int:
-        """This rank in ``comm``."""
-        return self._world.comm.Get_rank()
+        """This rank in ``comm`` (in a replacement before it joins: the rank it will have, :attr:`World.rank`)."""
+        return self._world.rank
 
     @property
     def size(self) -> int:
-        """The number of ranks training now."""
-        return self._world.comm.Get_size()
+        """The number of ranks training now (in a replacement before it joins: the number it joins)."""
+        return self._world.size
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:
         """Call each of ``callbacks`` (no arguments) after the ranks changed and the state was synced.

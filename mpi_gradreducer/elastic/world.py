@@ -32,7 +32,7 @@ from .discovery import Discovery, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
-__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World"]
+__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World", "joining"]
 
 MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
 MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
@@ -116,6 +116,19 @@ class World:
         #: The loss that the last shrink made up for, known before the rebuild, so that a recovery cut short
         #: still names it.
         self.shrunk: RanksLost | None = None
+
+    @property
+    def size(self) -> int:
+        """The number of ranks training now; in a replacement that has not joined yet, the number it joins
+        (see :func:`joining`)."""
+        ahead = None if self._joined else joining(self.comm)
+        return self.comm.Get_size() if ahead is None else ahead[0]
+
+    @property
+    def rank(self) -> int:
+        """This rank in :attr:`comm`; in a replacement that has not joined yet, the rank it will have."""
+        ahead = None if self._joined else joining(self.comm)
+        return self.comm.Get_rank() if ahead is None else ahead[1]
 
     # -- objects rebuilt on each new communicator ---------------------------------------------
 
@@ -375,6 +388,24 @@ class World:
                     f"{settings.min_size}, and no room for replacements appeared within {settings.timeout:g} s "
                     f"({settings.discovery.describe()}); ending the job")
             time.sleep(1.0)
+
+
+def joining(comm: MPI.Intracomm) -> tuple[int, int] | None:
+    """In a process started as a replacement (it has a parent) that has not joined yet: the size and the rank it
+    will have once merged with the running ranks, who come first; None in any other process.
+
+    So a replacement's script sees, from its start, the world it joins (as Horovod's ``hvd.size()`` and
+    ``hvd.rank()`` do), and partitions data as the running ranks do. Until it joins (at the running ranks'
+    next commit, in :func:`~.loop.run`), its collectives still go over ``comm``: the processes started with it.
+
+    Args:
+        comm: the processes started with this one (a replacement's ``MPI.COMM_WORLD``, or a duplicate of it).
+    """
+    parent = MPI.Comm.Get_parent()
+    if parent == MPI.COMM_NULL:
+        return None
+    running = parent.Get_remote_size()
+    return running + comm.Get_size(), running + comm.Get_rank()
 
 
 def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:

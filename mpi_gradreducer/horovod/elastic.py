@@ -20,8 +20,11 @@ the lowest rank with the newest commit, and the reset callbacks run. New
 ranks started in the room a host discovery script lists
 (``MPI_GRADREDUCER_ELASTIC_DISCOVERY``) join at a commit, which raises
 ``HostsUpdatedInterrupt`` there, as in Horovod. A process started as a
-replacement runs the script from its top over its own ranks and joins in
-``run``: before that, ``hvd.size()`` counts the processes started with it.
+replacement runs the script from its top and joins in ``run``: from its
+``hvd.init()`` on, ``hvd.size()`` and ``hvd.rank()`` already say the world
+it joins (the running ranks first, then the new ones), so that samplers made
+at the top partition the data as the running ranks' do; its collectives
+before ``run`` go over the processes started with it.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from .._core import groups
 from .._core.agreement import raise_if_any
 from .._core.singleton import check_not_singleton
 from .._core.topology import Topology
+from ..elastic import joining
 from .engine import Engine
 from .settings import Settings
 
@@ -82,6 +83,9 @@ class Context:
         optimizers: weak references to the live ``DistributedOptimizer`` objects (``join()`` serves them).
         switch_interval: the interpreter's switch interval before :func:`init` lowered it (:data:`SWITCH_INTERVAL`),
             restored by :func:`shutdown`; None when it was left as it was.
+        joining: in a replacement started by elastic mode, before it joins the running ranks: the size and rank
+            it will have then (:func:`mpi_gradreducer.elastic.joining`), which :func:`size` and :func:`rank`
+            report, as Horovod's do; None otherwise.
     """
 
     comm: MPI.Intracomm
@@ -93,6 +97,7 @@ class Context:
     timeline: Any = None
     optimizers: list[Any] = field(default_factory=list)
     switch_interval: float | None = None
+    joining: tuple[int, int] | None = None
 
     def communicators(self) -> Iterator[MPI.Intracomm]:
         """Every communicator this context owns, the engine's included: what a lost rank's recovery revokes."""
@@ -194,7 +199,9 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     if sys.getswitchinterval() == _PYTHON_SWITCH_INTERVAL:  # a program's own choice is left alone
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL)
-    _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, switch_interval=switch)
+    ahead = joining(base) if comm is None else None  # a replacement's first init (its rebuilds pass the world)
+    _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, switch_interval=switch,
+                               joining=ahead)
 
 
 def shutdown() -> None:
@@ -229,13 +236,15 @@ def is_initialized() -> bool:
 
 
 def size() -> int:
-    """The number of ranks."""
-    return current("hvd.size()").comm.Get_size()
+    """The number of ranks (in a replacement before it joins the running ranks: the number it joins)."""
+    ctx = current("hvd.size()")
+    return ctx.comm.Get_size() if ctx.joining is None else ctx.joining[0]
 
 
 def rank() -> int:
-    """This rank."""
-    return current("hvd.rank()").comm.Get_rank()
+    """This rank (in a replacement before it joins the running ranks: the rank it will have)."""
+    ctx = current("hvd.rank()")
+    return ctx.comm.Get_rank() if ctx.joining is None else ctx.joining[1]
 
 
 def local_size() -> int:

@@ -17,7 +17,7 @@ What the test reads, all under ``--out``:
 - ``at.PID``: the phase this process is in now, ``PHASE STEP`` (``reduce``
   just before the reducer call, ``commit`` just before the commit, ``sync``
   at the start of a sync after a failure), rewritten at each phase;
-- ``log.PID``: one line per event: ``commit S TIME``, ``resume S SIZE TIME``
+- ``log.PID``: one line per event: ``start SIZE RANK``, ``commit S TIME``, ``resume S SIZE TIME``
   (after a change of ranks, with the step it goes on from), ``failure TEXT``
   (``TIME``: ``time.time()``);
 - ``final.PID.npy``: the parameters at the end, with ``final.PID.txt``
@@ -141,6 +141,7 @@ def main() -> None:
                                      timeout=args.timeout if args.timeout else "env")
     state.world.track(Pause())
     state.world.track(reducer)
+    log.write(f"start {state.size} {state.rank}\n")  # a replacement: the world it joins, before it has joined
     resumed: list[int] = []
 
     def on_reset() -> None:
