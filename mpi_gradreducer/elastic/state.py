@@ -52,12 +52,12 @@ class State:
 
     @property
     def rank(self) -> int:
-        """This rank in ``comm`` (in a replacement before it joins: the rank it will have, :attr:`World.rank`)."""
+        """This rank in ``comm``; in a replacement before it joins, the rank it will have (see :attr:`World.rank`)."""
         return self._world.rank
 
     @property
     def size(self) -> int:
-        """The number of ranks training now (in a replacement before it joins: the number it joins)."""
+        """The number of ranks training now; in a replacement before it joins, the number it joins."""
         return self._world.size
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], Any]]) -> None:

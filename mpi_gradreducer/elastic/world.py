@@ -126,7 +126,7 @@ class World:
 
     @property
     def rank(self) -> int:
-        """This rank in :attr:`comm`; in a replacement that has not joined yet, the rank it will have."""
+        """This rank in ``comm``; in a replacement that has not joined yet, the rank it will have."""
         ahead = None if self._joined else joining(self.comm)
         return self.comm.Get_rank() if ahead is None else ahead[1]
 
@@ -396,7 +396,8 @@ def joining(comm: MPI.Intracomm) -> tuple[int, int] | None:
 
     So a replacement's script sees, from its start, the world it joins (as Horovod's ``hvd.size()`` and
     ``hvd.rank()`` do), and partitions data as the running ranks do. Until it joins (at the running ranks'
-    next commit, in :func:`~.loop.run`), its collectives still go over ``comm``: the processes started with it.
+    next commit, in :func:`~mpi_gradreducer.elastic.run`), its collectives still go over ``comm``, the
+    processes started with it.
 
     Args:
         comm: the processes started with this one (a replacement's ``MPI.COMM_WORLD``, or a duplicate of it).
