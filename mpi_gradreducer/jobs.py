@@ -224,7 +224,8 @@ class Job:
         stdout: :data:`PIPE` (read here), ``None`` (this process's) or an open file.
         stderr: :data:`PIPE`, :data:`STDOUT` (into ``stdout``), ``None`` or an open file.
         on_line: called with each line of ``stdout`` (newline included) as it is read, in a reading thread;
-            with ``stdout=PIPE`` only.
+            with ``stdout=PIPE`` only. Should it raise, it is called no more, the output is still read to
+            its end, and :meth:`finish` raises the error once the job has ended.
         grace: seconds between SIGTERM and SIGKILL when it is stopped.
 
     Raises:
@@ -246,6 +247,8 @@ class Job:
         self.timed_out = False
         #: True once :meth:`stop` had to SIGKILL it.
         self.killed = False
+        #: What ``on_line`` raised, if it did (it is called no more after that; :meth:`finish` raises it).
+        self.line_error: Exception | None = None
         self._out: list[str] = []
         self._err: list[str] = []
         self.started = time.monotonic()
@@ -263,13 +266,17 @@ class Job:
         for thread in self._threads:
             thread.start()
 
-    @staticmethod
-    def _read(stream: IO[str], into: list[str], on_line: Callable[[str], object] | None) -> None:
+    def _read(self, stream: IO[str], into: list[str], on_line: Callable[[str], object] | None) -> None:
+        """Read ``stream`` to its end (a reader that stopped early would leave the job blocked on a full pipe):
+        an error of ``on_line`` is kept for :meth:`finish` to raise, and the lines after it are only stored."""
         with stream:
             for line in stream:
                 into.append(line)
                 if on_line is not None:
-                    on_line(line)
+                    try:
+                        on_line(line)
+                    except Exception as exc:
+                        self.line_error, on_line = exc, None
 
     def _write(self, text: str) -> None:
         stdin = self.process.stdin
@@ -328,7 +335,9 @@ class Job:
         those that left the group (a new session) are ended too, as long as
         they were still below it then.
         """
-        below = descendants(self.pid)
+        # (a leader already reaped has no descendants of its own, and its pid may belong to another process now:
+        # only its group, which keeps the id from reuse while it has members, is signalled)
+        below = descendants(self.pid) if self.process.poll() is None else []
         _send(below, self.pid, signal.SIGTERM)
         deadline = time.monotonic() + self.grace
         while True:
@@ -339,7 +348,8 @@ class Job:
             time.sleep(0.02)
         if left:
             self.killed = True
-            _send([*below, *descendants(self.pid)], self.pid, signal.SIGKILL)
+            _send([*below, *(descendants(self.pid) if self.process.poll() is None else [])], self.pid,
+                  signal.SIGKILL)
         self.process.wait()
         settle = time.monotonic() + _SETTLE
         while _members(self.pid) and time.monotonic() < settle:
@@ -372,6 +382,8 @@ class Job:
             self.stop()
             raise
         self._drained(time.monotonic() + _SETTLE)
+        if self.line_error is not None:
+            raise self.line_error
         return self.result()
 
     def result(self) -> Finished:

@@ -56,6 +56,25 @@ def test_input_and_lines_as_they_come():
     assert done.returncode == 0 and lines == ["X\n", "Y\n"] and done.stdout == "X\nY\n", done
 
 
+def test_a_failing_line_callback_stops_neither_the_reading_nor_the_job_and_is_raised_at_the_end():
+    seen: list[str] = []
+
+    def on_line(line: str) -> None:
+        seen.append(line)
+        raise ValueError(f"cannot parse {line!r}")
+
+    # 200,000 lines (about 1.4 MB): a reader that stopped at the first would leave the child blocked on a full
+    # pipe until the deadline
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="cannot parse 'line 0"):
+        jobs.run([PY, "-c", "for i in range(200000): print('line', i)"], timeout=60, on_line=on_line)
+    assert time.monotonic() - start < 30 and seen == ["line 0\n"]
+    with jobs.Job([PY, "-c", "print('a'); print('b')"], on_line=on_line) as job:
+        with pytest.raises(ValueError):
+            job.finish(60)
+        assert job.result().returncode == 0 and job.stdout == "a\nb\n"
+
+
 def test_a_timeout_ends_the_job_and_its_grandchild_within_a_bound():
     start = time.monotonic()
     done = jobs.run(["sh", "-c", "sleep 300 & echo $!; sleep 300"], timeout=1, grace=2)
