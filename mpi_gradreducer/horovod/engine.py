@@ -150,6 +150,11 @@ def _revoked(comm: MPI.Comm) -> bool:
         return False
 
 
+def _refused(key: str, kind: str, error: BaseException) -> Response:
+    """The verdict that fails operation ``key`` on every rank of its set with Horovod's internal error."""
+    return Response(key, kind, error=("HorovodInternalError", str(error)), internal=True)
+
+
 class _Set:
     """The engine's side of one process set (made on the caller's thread, collectively over its ranks)."""
 
@@ -482,24 +487,36 @@ class Engine:
             if tag == _REQUESTS and s.coordinator is not None:
                 if s.lost is None:
                     self._deliver(s, s.coordinator.receive(source, body))
+                else:  # a rank left: what is asked for now fails on every rank that asks
+                    self._deliver(s, [_refused(q.key, q.kind, s.lost) for q in body if q.kind != "join"])
             elif tag == _RESPONSES:
                 s.queue.append(deque(body))
             elif tag in (_LEFT, _SHUTDOWN) and body[0] != s.token:
                 continue  # meant for a freed communicator whose context this one reuses
-            elif tag == _LEFT:
-                self._lose(s, HorovodInternalError(
+            elif tag == _LEFT and s.lost is None:
+                error = HorovodInternalError(
                     f"rank {body[1]} left Horovod (hvd.shutdown(), or the end of its process) while this operation "
-                    f"waited for the ranks of process set {s.id} ({list(s.ranks)}) to submit it"))
+                    f"waited for the ranks of process set {s.id} ({list(s.ranks)}) to submit it")
+                if s.coordinator is not None:  # the set's first rank says, to every rank, which operations fail
+                    self._deliver(s, [_refused(key, kind, error) for key, kind in s.coordinator.drop()])
+                    self._lose(s, error)
+                elif source == 0:  # the first rank left: no verdict comes any more (those it sent came before)
+                    self._lose(s, error)
+                # Another rank left: it may have left after an operation that every rank agreed on, and its
+                # farewell may come here before the first rank's verdict on it; that rank's verdicts decide.
             elif tag == _SHUTDOWN:
                 self._halt(body[1])
 
     def _lose(self, s: _Set, error: BaseException) -> None:
-        """The set cannot complete anything more: its operations waiting for a verdict fail, and later ones."""
+        """The set cannot complete anything more: its operations still waiting for a verdict fail, and later
+        ones. Those whose verdict has come still run: every rank agreed on them."""
         s.lost = error
         s.outbox.clear()
-        for op in list(s.pending.values()):
-            self._done(op, None, [], HorovodInternalError(str(error)))
-        s.pending.clear()
+        agreed = {sent if isinstance(sent, str) else sent.key for verdicts in s.queue for sent in verdicts}
+        for key, op in list(s.pending.items()):
+            if key not in agreed:
+                del s.pending[key]
+                self._done(op, None, [], HorovodInternalError(str(error)))
 
     def _halt(self, reason: str) -> None:
         """The stall shutdown: every operation of every set fails, now and later."""

@@ -186,6 +186,14 @@ class Coordinator:
             out += self._ready([request.key])
         return out
 
+    def drop(self) -> list[tuple[str, str]]:
+        """Forget every key still waiting for some rank (a rank left: none of them can complete); their keys
+        and kinds, oldest first."""
+        dropped = [(key, next(iter(got.values())).kind) for key, got in self.table.items() if got]
+        self.table.clear()
+        self.since.clear()
+        return dropped
+
     def stalled(self, older_than: float, now: float | None = None) -> dict[str, list[int]]:
         """The keys some rank asked for at least ``older_than`` seconds ago and that still wait, each with the
         ranks (global) that have neither asked for it nor joined, oldest key first."""

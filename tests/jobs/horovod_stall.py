@@ -6,9 +6,10 @@
   stall warning, after HOROVOD_STALL_CHECK_TIME_SECONDS, names rank 1 and the tensor).
 - ``shutdown``: rank 0 submits ``only_rank0``, rank 1 never does; after
   HOROVOD_STALL_SHUTDOWN_TIME_SECONDS rank 0's call raises, and rank 1's next call does too.
-- ``exit``: rank 0's operation is in flight when rank 1 leaves the process
-  (no ``hvd.shutdown()``, no call): rank 0's ``synchronize`` raises.
-- ``peer-shutdown``: the same, but rank 1 calls ``hvd.shutdown()`` and stays.
+- ``exit``: every other rank's operation is in flight when the last rank
+  leaves the process (no ``hvd.shutdown()``, no call): their ``synchronize``
+  raises (at 3 ranks and more, as the first rank's verdict says).
+- ``peer-shutdown``: the same, but the last rank calls ``hvd.shutdown()`` and stays.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ elif mode == "shutdown":
         report("later", lambda: hvd.allreduce(x, name="later"))
     hvd.shutdown()
 elif mode in ("exit", "peer-shutdown"):
-    if me == 0:  # the operation is in flight before rank 1 leaves
+    leaver = hvd.size() - 1
+    if me != leaver:  # the operation is in flight on every other rank before the last rank leaves
         handle = hvd.allreduce_async(x, name="only_rank0")
-        MPI.COMM_WORLD.send("go", dest=1, tag=7)
+        MPI.COMM_WORLD.gather(None, root=leaver)
         report("only_rank0", lambda: hvd.synchronize(handle))
         hvd.shutdown()
     else:
-        MPI.COMM_WORLD.recv(source=0, tag=7)
+        MPI.COMM_WORLD.gather(None, root=leaver)
         time.sleep(0.5)
         if mode == "exit":
             print(f"rank {me}: leaving", flush=True)
