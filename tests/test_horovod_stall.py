@@ -68,3 +68,15 @@ def test_a_peer_that_leaves_makes_the_pending_operation_raise_on_every_other_ran
     assert job.stdout.count(f"rank {last} left Horovod") == last, str(job)
     if mode == "peer-shutdown":
         assert f"rank {last}: shut down" in job.stdout, str(job)
+
+
+@FAREWELLS
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_peer_that_leaves_ends_the_others_join_with_an_error(ranks):
+    job = _job("join-left", ranks)
+    assert job.returncode == 0, str(job)
+    last = ranks - 1
+    for r in range(last):
+        waited = _seconds(job, rf"rank {r}: join raised HorovodInternalError")
+        assert waited < 20.0, str(job)
+    assert job.stdout.count(f"rank {last} left Horovod") == last, str(job)

@@ -488,7 +488,7 @@ class Engine:
                 if s.lost is None:
                     self._deliver(s, s.coordinator.receive(source, body))
                 else:  # a rank left: what is asked for now fails on every rank that asks
-                    self._deliver(s, [_refused(q.key, q.kind, s.lost) for q in body if q.kind != "join"])
+                    self._deliver(s, [_refused(q.key, q.kind, s.lost) for q in body])
             elif tag == _RESPONSES:
                 s.queue.append(deque(body))
             elif tag in (_LEFT, _SHUTDOWN) and body[0] != s.token:
@@ -574,7 +574,7 @@ class Engine:
         if taken is None:
             return False
         response, op = taken
-        if response.kind == "join":
+        if response.kind == "join" and response.error is None:  # (a join is refused when a rank left)
             if op is not None:  # the global set: every rank has joined
                 self.epoch += 1
                 self._done(op, response, [s.ranks[response.last]])

@@ -187,11 +187,15 @@ class Coordinator:
         return out
 
     def drop(self) -> list[tuple[str, str]]:
-        """Forget every key still waiting for some rank (a rank left: none of them can complete); their keys
-        and kinds, oldest first."""
+        """Forget every key still waiting for some rank, and the ranks in ``join()`` (a rank left: none of them
+        can complete); their keys and kinds, oldest first, then the join's."""
         dropped = [(key, next(iter(got.values())).kind) for key, got in self.table.items() if got]
+        if self.joined:
+            dropped.append((JOIN, "join"))
         self.table.clear()
         self.since.clear()
+        self.joined.clear()
+        self.join_order.clear()
         return dropped
 
     def stalled(self, older_than: float, now: float | None = None) -> dict[str, list[int]]:

@@ -10,6 +10,8 @@
   leaves the process (no ``hvd.shutdown()``, no call): their ``synchronize``
   raises (at 3 ranks and more, as the first rank's verdict says).
 - ``peer-shutdown``: the same, but the last rank calls ``hvd.shutdown()`` and stays.
+- ``join-left``: every other rank waits in ``hvd.join()`` when the last rank
+  shuts down: their ``join`` raises.
 """
 
 from __future__ import annotations
@@ -65,6 +67,18 @@ elif mode in ("exit", "peer-shutdown"):
         if mode == "exit":
             print(f"rank {me}: leaving", flush=True)
             sys.exit(0)
+        hvd.shutdown()
+        print(f"rank {me}: shut down", flush=True)
+        time.sleep(3.0)
+elif mode == "join-left":  # every other rank waits in hvd.join() when the last rank leaves
+    leaver = hvd.size() - 1
+    if me != leaver:
+        MPI.COMM_WORLD.gather(None, root=leaver)
+        report("join", lambda: torch.tensor([hvd.join()]))
+        hvd.shutdown()
+    else:
+        MPI.COMM_WORLD.gather(None, root=leaver)
+        time.sleep(0.5)
         hvd.shutdown()
         print(f"rank {me}: shut down", flush=True)
         time.sleep(3.0)
