@@ -5,6 +5,7 @@
     python scripts/bench_compare.py BASE [HEAD] [--rounds 4] [--ranks 4] [-- BENCH ARGS...]
     python scripts/bench_compare.py v0.7.0 HEAD -- --workload resnet50 many-small --methods limit reducer reducer-views
     python scripts/bench_compare.py --mpis .venv .venv-ompi .venv-impi -- --workload resnet50 many-small
+    python scripts/bench_compare.py v0.7.0 HEAD --ranks 2 -- horovod --reps 30
 
 Two commits: each is checked out once into a temporary worktree (``git
 worktree add --detach``; HEAD may also be the working tree as it is:
@@ -23,7 +24,9 @@ asserted: read the columns against the rounds' spread.
 
 The bench's own arguments follow ``--`` (default: ResNet-50 and many small
 tensors, the limit, the reducer on ordinary arrays and on its views, 5
-repetitions).
+repetitions). ``-- horovod ...`` compares the Horovod bench instead
+(``python -m mpi_gradreducer.bench horovod``): each method over the same
+run's reducer on the same tensors, not over a limit.
 """
 
 from __future__ import annotations
@@ -78,6 +81,9 @@ def _run(side: Side, ranks: int, bench: list[str], out: Path, limit: float) -> t
                          f"{(done.stdout + done.stderr)[-3000:]}")
     data = json.loads(out.read_text())
     library = str(data.get("environment", {}).get("mpi_library_version", "?")).splitlines()[0][:60]
+    if "small" in data:  # the horovod bench: each method over the same run's reducer, not a limit
+        small = data["small"]
+        return library, {"horovod": {m: small[f"{m}_over_reducer"] for m in small["methods"] if m != "reducer"}}
     return library, {w: {m: r["ratio_to_limit"] for m, r in info["methods"].items() if m != "limit"}
                      for w, info in data["workloads"].items()}
 
@@ -144,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             print("; ".join(f"{side.label} = {libraries[side.label]}" for side in sides))
         else:
             print(f"A = {args.base}, B = {'the working tree' if args.head_tree else args.head}")
-        print(f"{args.ranks} ranks, {args.rounds} rounds alternated; x the same run's limit, median [range]; "
+        base = "reducer" if bench[:1] == ["horovod"] else "limit"
+        print(f"{args.ranks} ranks, {args.rounds} rounds alternated; x the same run's {base}, median [range]; "
               f"bench: {' '.join(bench)}")
         _table(sides, runs, pair=not args.mpis)
         return 0
