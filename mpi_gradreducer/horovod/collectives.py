@@ -126,7 +126,7 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
         sent, contexts = [], []
         for i, t in enumerate(given):
             c, ctx = compression.compress(t)
-            if c.dtype not in _REDUCIBLE or c.is_complex() and reduce_op in (ReduceOp.Min, ReduceOp.Max):
+            if c.dtype not in _REDUCIBLE or c.dtype.is_complex and reduce_op in (ReduceOp.Min, ReduceOp.Max):
                 raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
             sent.append(c)
             contexts.append(ctx)
@@ -495,7 +495,7 @@ def _reducescatter_async(what: str, tensors: Any, name: Any, compression: Any, o
             if t.dim() == 0:
                 raise ValueError(f"{what}: tensors[{i}]: expected at least one dimension, got a 0-d tensor")
             c, ctx = compression.compress(t)
-            if c.dtype not in _REDUCIBLE or c.is_complex() and reduce_op in (ReduceOp.Min, ReduceOp.Max):
+            if c.dtype not in _REDUCIBLE or c.dtype.is_complex and reduce_op in (ReduceOp.Min, ReduceOp.Max):
                 raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
             sent.append(c)
             contexts.append(ctx)
