@@ -131,6 +131,36 @@ def test_many_in_place_async_allreduces_under_a_fusion_threshold(torch, threshol
     assert MPI.Is_initialized()
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("threshold", ["0", "5000", "134217728"])
+def test_a_broadcast_of_many_tensors_travels_packed_and_every_rank_gets_the_root_s_bits(torch, threshold,
+                                                                                          monkeypatch):
+    """``broadcast_parameters`` with tensors below and above ``PACK_BELOW``, empty ones, several dtypes and random
+    bits; the root is the last rank; buckets of up to the threshold (0: each tensor alone)."""
+    import mpi_gradreducer.horovod as hvd
+    from mpi_gradreducer.horovod.execute import PACK_BELOW
+
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", threshold)
+    hvd.shutdown()  # settings are read by init
+    hvd.init()
+    try:
+        root = SIZE - 1
+        rng = np.random.default_rng(1234 + RANK)  # different data on every rank: only the root's may survive
+        dtypes = (torch.float32, torch.float64, torch.float16, torch.int64, torch.bfloat16, torch.uint8)
+        sizes = [k % 53 for k in range(150)] + [PACK_BELOW // 4, PACK_BELOW // 4 + 1, 0, 3]
+        tensors = [torch.from_numpy(rng.standard_normal(n)).to(dtypes[k % len(dtypes)]) for k, n in enumerate(sizes)]
+        mine = [t.clone() for t in tensors]
+        hvd.broadcast_parameters({f"p{k:03d}": t for k, t in enumerate(tensors)}, root_rank=root)
+        if RANK == root:
+            assert all(torch.equal(a, b) for a, b in zip(tensors, mine, strict=True))
+        assert_same_on_all_ranks(WORLD, [t.view(torch.uint8).numpy() for t in tensors if t.numel()])  # bitwise
+        if SIZE > 1 and RANK != root:
+            assert not all(torch.equal(a, b) for a, b in zip(tensors, mine, strict=True) if a.numel())
+    finally:
+        hvd.shutdown()
+    assert MPI.Is_initialized()
+
+
 def test_every_horovod_variable_is_honoured_ignored_with_a_reason_or_refused():
     from pathlib import Path
 

@@ -608,7 +608,8 @@ class Engine:
         ref = response.reference()
         try:
             root = s.ranks.index(ref.root) if ref.root >= 0 else -1
-            s.current = (build(s.data, response, op.local if op is not None else None, root), [(response, op)])
+            s.current = (build(s.data, response, op.local if op is not None else None, root,
+                               self.settings.fusion_threshold), [(response, op)])
         except Exception as exc:  # a local failure (memory): this rank's caller hears of it
             if op is not None:
                 self._done(op, response, [], exc)

@@ -39,7 +39,12 @@ from .._core.transport import Gather
 from .._core.wire import half_format
 from .negotiation import Response
 
-__all__ = ["Blocking", "Execution", "Local", "buckets", "build", "fused", "fused_bytes", "wire_dtype", "NUMPY"]
+__all__ = ["Blocking", "Execution", "Local", "buckets", "build", "fused", "fused_bytes", "wire_dtype", "NUMPY",
+           "PACK_BELOW"]
+
+#: A broadcast's tensors below this many bytes travel packed, one message per fusion buffer: a message each
+#: costs a round of the engine's tests; larger ones go from their own memory, with no copy.
+PACK_BELOW = 1 << 20
 
 #: torch dtype names and the numpy dtype of their host copies (bfloat16: reduced as float32).
 NUMPY = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.float32,
@@ -337,11 +342,32 @@ def _allgather(comm: MPI.Intracomm, response: Response, local: Local) -> Executi
     return execution
 
 
-def _broadcast(comm: MPI.Intracomm, response: Response, local: Local, root: int) -> Execution:
-    def start() -> list[MPI.Request]:
-        return [comm.Ibcast(a, root=root) for a in local.arrays if a.size]
+def _broadcast(comm: MPI.Intracomm, local: Local, root: int, threshold: int) -> Execution:
+    """One ``Ibcast`` per tensor of :data:`PACK_BELOW` bytes or more (from its own array), and one per bucket of
+    up to ``threshold`` bytes of the smaller ones, packed (the root packs, the others unpack); the same messages
+    on every rank: the sizes are agreed."""
+    arrays = [a for a in local.arrays if a.size]
+    groups = buckets([(a, a.size) for a in arrays if a.size < PACK_BELOW], 1, threshold) if threshold > 0 else []
+    packed = [[a for a, _ in g if a is not None] for g in groups if len(g) > 1]
+    in_packed = {id(a) for group in packed for a in group}
+    alone = [a for a in arrays if id(a) not in in_packed]
+    me = comm.Get_rank()
+    bufs: list[np.ndarray] = []
 
-    execution = Execution([start])
+    def start() -> list[MPI.Request]:
+        bufs.extend(np.concatenate(g) if me == root else np.empty(sum(a.size for a in g), np.uint8) for g in packed)
+        return [comm.Ibcast(a, root=root) for a in alone] + [comm.Ibcast(b, root=root) for b in bufs]
+
+    def unpack() -> list[MPI.Request]:
+        if me != root:
+            for group, buf in zip(packed, bufs, strict=True):
+                at = 0
+                for a in group:
+                    a[...] = buf[at:at + a.size]
+                    at += a.size
+        return []
+
+    execution = Execution([start, unpack])
     execution.outputs = local.arrays
     return execution
 
@@ -420,7 +446,7 @@ def _objects(comm: MPI.Intracomm, response: Response, local: Local, root: int) -
     return execution
 
 
-def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: int) -> Execution:
+def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: int, threshold: int = 0) -> Execution:
     """The execution of ``response`` on this rank (``local`` None: this rank takes part from ``join()``).
 
     Args:
@@ -428,6 +454,8 @@ def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: in
         response: the agreed operation (not an error, not an allreduce: see :func:`fused`).
         local: this rank's arrays, or None in ``join()`` (barrier only).
         root: the root's rank in ``comm`` (broadcasts), or -1.
+        threshold: ``HOROVOD_FUSION_THRESHOLD``: a broadcast's small tensors travel packed in buffers of up to
+            this many bytes (0: each alone).
     """
     kind = response.kind
     if kind == "barrier":
@@ -438,7 +466,7 @@ def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: in
     if kind == "allgather":
         return _allgather(comm, response, local)
     if kind == "broadcast":
-        return _broadcast(comm, response, local, root)
+        return _broadcast(comm, local, root, threshold)
     if kind == "alltoall":
         return _alltoall(comm, response, local)
     if kind == "reducescatter":
