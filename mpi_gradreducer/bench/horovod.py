@@ -23,6 +23,10 @@ is the slowest rank's:
     ``hvd.synchronize`` of each handle: what Horovod's users do per
     gradient, fused by the engine's cycle (``HOROVOD_CYCLE_TIME``,
     ``HOROVOD_FUSION_THRESHOLD``).
+``broadcast``
+    ``hvd.broadcast_parameters(tensors, root_rank=0)``: rank 0's tensors into
+    every rank's, packed in fusion buffers (not an average: timed beside
+    the others for scale).
 
 The ratios ``<method> / reducer`` follow the table.
 """
@@ -45,7 +49,7 @@ from .timing import Case, all_close, expected_sum, fill_value, time_cases
 
 __all__ = ["METHODS", "bench_small", "format_small", "main"]
 
-METHODS = ("reducer", "grouped", "grouped-out", "async")
+METHODS = ("reducer", "grouped", "grouped-out", "async", "broadcast")
 
 
 def bench_small(comm: MPI.Intracomm, count: int, nbytes: int, methods: Sequence[str], reps: int,
@@ -75,8 +79,8 @@ def bench_small(comm: MPI.Intracomm, count: int, nbytes: int, methods: Sequence[
                 t.fill_(value)
         return run
 
-    def check(ts: list[Any]) -> Callable[[], bool]:
-        return lambda: all_close([t.numpy() for t in ts], mean)
+    def check(ts: list[Any], expected: float = mean) -> Callable[[], bool]:
+        return lambda: all_close([t.numpy() for t in ts], expected)
 
     hvd.init(comm)
     cases: list[Case] = []
@@ -109,6 +113,10 @@ def bench_small(comm: MPI.Intracomm, count: int, nbytes: int, methods: Sequence[
                     hvd.synchronize(h)
 
             cases.append(Case("async", fill(ts), per_tensor, check(ts)))
+        if "broadcast" in methods:
+            ts = tensors()
+            cases.append(Case("broadcast", fill(ts), functools.partial(hvd.broadcast_parameters, ts, root_rank=0),
+                              check(ts, comm.bcast(value, root=0))))
         times = time_cases(comm, cases, reps, warmup)
     finally:
         for close in reversed(closers):
