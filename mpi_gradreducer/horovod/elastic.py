@@ -38,6 +38,7 @@ import torch
 from mpi4py import MPI
 
 from .. import elastic as _elastic, torch as mgr_torch
+from ..torch.optimizer_state import fill, strip
 from . import session
 from .exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
@@ -203,12 +204,12 @@ class _Optimizer:
 
     def save(self) -> None:
         tensors: list[torch.Tensor] = []
-        self._layout = _strip(self.value.state_dict(), tensors)
+        self._layout = strip(self.value.state_dict(), tensors, keep=lambda t: t)  # copied by save()
         self._tensors.save(tensors)
 
     def restore(self) -> None:
         copies = [t.clone() for t in self._tensors.saved]  # the optimizer may keep what it loads
-        self.value.load_state_dict(_fill(self._layout, copies))
+        self.value.load_state_dict(fill(self._layout, copies))
 
     def sync(self, comm: MPI.Intracomm, root: int) -> None:
         mgr_torch.broadcast_optimizer_state(self.value, root=root, group=comm)
@@ -237,32 +238,6 @@ def _handler(value: Any) -> Any:
     if isinstance(value, ElasticSampler):
         return _Sampler(value)
     return None
-
-
-def _strip(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj)
-        return _Slot(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return {k: _strip(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_strip(v, tensors) for v in obj)
-    return copy.deepcopy(obj)
-
-
-def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _Slot):
-        return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _fill(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_fill(v, tensors) for v in obj)
-    return copy.deepcopy(obj)
-
-
-class _Slot:
-    def __init__(self, index: int) -> None:
-        self.index = index
 
 
 class ElasticSampler(torch.utils.data.Sampler):

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import torch as mgr_torch
-from ..torch.optimizer_state import rebuild, strip
+from ..torch.optimizer_state import share_state
 from .collectives import grouped_broadcast_
 from .control import check
 from .execute import Local
@@ -88,8 +88,6 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
     what = "hvd.broadcast_optimizer_state"
     me = current(what).comm.Get_rank()
     inner = optimizer.optimizer if isinstance(optimizer, mgr_torch.DistributedOptimizer) else optimizer
-    layout: Any = None
-    tensors: list[torch.Tensor] = []
     error: Exception | None = None
     try:
         if not isinstance(inner, torch.optim.Optimizer):
@@ -97,25 +95,19 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int, model: Any = None,
                             f"{type(optimizer).__name__}")
         if not inner.state:
             _zero_grads(inner)
-        if me == root_rank:
-            layout = strip(inner.state_dict(), tensors)
     except Exception as exc:
         error = exc
     if error is not None:
         check(what, (), error, process_set)
-    layout = broadcast_object(layout, root_rank, name=None, process_set=process_set)
-    if me != root_rank:
-        tensors = []
-        layout = rebuild(layout, tensors)
-    if tensors:
-        grouped_broadcast_(tensors, root_rank, process_set=process_set)
-    error = None
-    if me != root_rank:
-        try:
-            inner.load_state_dict(layout)
-        except (ValueError, KeyError, TypeError, RuntimeError) as exc:
-            error = ValueError(f"{what}: load_state_dict of rank {root_rank}'s optimizer state failed: {exc}")
-    check(what, (), error, process_set)
+
+    def bcast_tensors(tensors: list[torch.Tensor]) -> None:
+        if tensors:
+            grouped_broadcast_(tensors, root_rank, process_set=process_set)
+
+    failed = share_state(inner, me == root_rank, root_rank,
+                         lambda layout: broadcast_object(layout, root_rank, name=None, process_set=process_set),
+                         bcast_tensors)
+    check(what, (), ValueError(f"{what}: {failed}") if failed is not None else None, process_set)
 
 
 def _zero_grads(inner: torch.optim.Optimizer) -> None:
