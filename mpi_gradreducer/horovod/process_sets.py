@@ -17,6 +17,7 @@ from typing import Any
 
 from mpi4py import MPI
 
+from .._core import groups
 from . import session
 from .session import SetInfo, current
 
@@ -160,9 +161,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 def _register(ps: ProcessSet, ranks: tuple[int, ...]) -> ProcessSet:
     """Make the set's communicator (collective over the global set) and hand it to the engine."""
     ctx = current("hvd.add_process_set")
-    me = ctx.comm.Get_rank()
-    comm = ctx.comm.Split(0 if me in ranks else MPI.UNDEFINED, key=me)
-    assert isinstance(comm, MPI.Intracomm)  # mpi4py's stubs say Comm
+    made = groups.create_group(ranks, ctx.comm)  # the core's: the ranks in the set's (sorted) order
+    comm = MPI.Intracomm(MPI.COMM_NULL) if made is None else made
     set_id = ctx.next_id
     ctx.next_id += 1
     if comm != MPI.COMM_NULL:
