@@ -19,7 +19,7 @@ from mpi4py import MPI
 from . import agreement
 from .dtypes import SUPPORTED_NAMES, digest, dtype_code, reduction_dtype, scaled_copy
 
-__all__ = ["RowSparse", "allgather_rowsparse", "signature"]
+__all__ = ["RowSparse", "allgather_rowsparse", "gather_rows", "signature"]
 
 
 class RowSparse:
@@ -217,28 +217,42 @@ def allgather_rowsparse(
     if (table[:, 1] != table[0, 1]).any():
         agreement.check_same(comm, [sig], _describe, lambda i: "the RowSparse gradient")  # raises
 
-    counts = [int(c) for c in table[:, 0]]
-    displs = [int(d) for d in np.cumsum([0] + counts[:-1])]
+    indices, values = gather_rows(comm, [int(c) for c in table[:, 0]], rs.indices, _send_values(rs.values, scale))
+    if coalesce:
+        indices, values = _coalesced(indices, values)
+    return RowSparse(indices, values, rs.dense_shape, validate=False)
+
+
+def gather_rows(comm: MPI.Comm, counts: Sequence[int], indices: np.ndarray,
+                values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's rows, in rank order, when every rank's row count is known (collective over ``comm``).
+
+    One ``Allgatherv`` of the indices (as int64), one of the values' rows
+    (raw, in their own dtype: one MPI datatype a row). Nothing is checked
+    here: the ranks agreed on the counts, the rows' shape and dtype before.
+
+    Args:
+        comm: the communicator.
+        counts: every rank's number of rows (this rank's: ``len(indices)``).
+        indices: this rank's row indices.
+        values: this rank's rows, shape ``(len(indices), *row_shape)``, C-contiguous.
+
+    Returns:
+        The indices (int64) and the rows of every rank, rank 0's first.
+    """
+    displs = [int(d) for d in np.cumsum([0, *counts[:-1]])] if len(counts) else []
     total = sum(counts)
-    shape = rs.dense_shape
-    row_shape = shape[1:]
-
-    indices = np.empty(total, dtype=np.int64)
-    send_idx = np.ascontiguousarray(rs.indices, dtype=np.int64)
-    comm.Allgatherv(send_idx, [indices, (counts, displs)])
-
-    values = np.empty((total, *row_shape), dtype=rs.values.dtype)
-    send_val = _send_values(rs.values, scale)
-    row_bytes = int(np.prod(row_shape, dtype=np.int64)) * rs.values.dtype.itemsize
+    gathered = np.empty(total, dtype=np.int64)
+    comm.Allgatherv(np.ascontiguousarray(indices, dtype=np.int64), [gathered, (list(counts), displs)])
+    rows = np.empty((total, *values.shape[1:]), dtype=values.dtype)
+    row_bytes = int(np.prod(values.shape[1:], dtype=np.int64)) * values.dtype.itemsize
     if row_bytes:
         row_type = MPI.BYTE.Create_contiguous(row_bytes).Commit()
         try:
-            comm.Allgatherv([send_val, rs.nnz, row_type], [values, (counts, displs), row_type])
+            comm.Allgatherv([values, values.shape[0], row_type], [rows, (list(counts), displs), row_type])
         finally:
             row_type.Free()
-    if coalesce:
-        indices, values = _coalesced(indices, values)
-    return RowSparse(indices, values, shape, validate=False)
+    return gathered, rows
 
 
 def _send_values(values: np.ndarray, scale: float) -> np.ndarray:

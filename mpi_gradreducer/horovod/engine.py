@@ -609,7 +609,7 @@ class Engine:
         try:
             root = s.ranks.index(ref.root) if ref.root >= 0 else -1
             s.current = (build(s.data, response, op.local if op is not None else None, root,
-                               self.settings.fusion_threshold), [(response, op)])
+                               self.settings.fusion_threshold, self._worker(s)), [(response, op)])
         except Exception as exc:  # a local failure (memory): this rank's caller hears of it
             if op is not None:
                 self._done(op, response, [], exc)

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .._core.sparse import gather_rows
 from .._core.summers import Summers, allreduce
 from .._core.transport import Gather
 from .._core.wire import half_format
@@ -415,21 +416,19 @@ def _reducescatter(comm: MPI.Intracomm, response: Response, local: Local) -> Exe
     return execution
 
 
-def _sparse(comm: MPI.Intracomm, response: Response, local: Local) -> Execution:
-    """Every rank's rows (indices and values) of a row-sparse tensor, concatenated in rank order."""
+def _sparse(comm: MPI.Intracomm, response: Response, local: Local, executor: Executor | None) -> Execution:
+    """Every rank's rows (indices and values) of a row-sparse tensor, concatenated in rank order: the core's
+    :func:`~mpi_gradreducer._core.sparse.gather_rows` (blocking, on ``executor``), the counts agreed."""
     nnz = [q.splits[0] if q is not None else 0 for q in response.requests]
+    indices, raw = local.arrays
     row = local.row_bytes[0]
-    indices = np.empty(sum(nnz), dtype=np.int64)
-    values = np.empty(sum(nnz) * row, dtype=np.uint8)
 
-    def start() -> list[MPI.Request]:
-        value_counts = [n * row for n in nnz]
-        return [comm.Iallgatherv(local.arrays[0], [indices, (nnz, _offsets(nnz))]),
-                comm.Iallgatherv(local.arrays[1], [values, (value_counts, _offsets(value_counts))])]
+    def work() -> list[list[Any]]:
+        rows = raw.reshape(-1, row) if row else np.zeros((indices.size, 0), np.uint8)
+        gathered, values = gather_rows(comm, nnz, indices, rows)
+        return [[gathered, values.reshape(-1)]]
 
-    execution = Execution([start])
-    execution.outputs = [indices, values]
-    return execution
+    return Blocking(work, executor)
 
 
 def _objects(comm: MPI.Intracomm, response: Response, local: Local, root: int) -> Execution:
@@ -446,7 +445,8 @@ def _objects(comm: MPI.Intracomm, response: Response, local: Local, root: int) -
     return execution
 
 
-def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: int, threshold: int = 0) -> Execution:
+def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: int, threshold: int = 0,
+          executor: Executor | None = None) -> Execution:
     """The execution of ``response`` on this rank (``local`` None: this rank takes part from ``join()``).
 
     Args:
@@ -456,6 +456,7 @@ def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: in
         root: the root's rank in ``comm`` (broadcasts), or -1.
         threshold: ``HOROVOD_FUSION_THRESHOLD``: a broadcast's small tensors travel packed in buffers of up to
             this many bytes (0: each alone).
+        executor: where blocking work runs (the sparse gather; None: the thread that tests the execution).
     """
     kind = response.kind
     if kind == "barrier":
@@ -472,7 +473,7 @@ def build(comm: MPI.Intracomm, response: Response, local: Local | None, root: in
     if kind == "reducescatter":
         return _reducescatter(comm, response, local)
     if kind == "sparse":
-        return _sparse(comm, response, local)
+        return _sparse(comm, response, local, executor)
     if kind in ("bcast_object", "gather_object"):
         return _objects(comm, response, local, root if kind == "bcast_object" else -1)
     raise AssertionError(f"unknown kind {kind!r}")
