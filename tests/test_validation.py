@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -188,3 +190,21 @@ def test_arrays_over_foreign_buffers_are_accepted():
     with DistributedGradReducer(_params()) as reducer:
         reducer(grads)
         np.testing.assert_allclose(grads[2], (WORLD.Get_size() - 1) / 2 + 1.0)
+
+
+@pytest.mark.parametrize("kind", [ValueError, TypeError, RuntimeError, NotImplementedError, OverflowError, KeyError])
+def test_an_error_on_one_rank_reaches_every_rank_as_its_own_type(kind):
+    """The core's agreement: the last rank's error, of each kind that travels as itself (a ``KeyError``
+    arrives as a ``RuntimeError``), with its message and rank, on every rank."""
+    from mpi_gradreducer._core import agreement
+
+    last = WORLD.Get_size() - 1
+    expected = kind if kind in agreement.KINDS else RuntimeError
+    assert type(agreement.exception_of(kind.__name__, "m")) is expected
+    error = kind("bad input here") if WORLD.Get_rank() == last else None
+    with pytest.raises(Exception) as caught:
+        agreement.raise_if_any(WORLD, error)
+    if WORLD.Get_size() == 1:  # alone: the error itself
+        assert caught.value is error
+        return
+    assert type(caught.value) is expected and re.search(rf"rank {last}: .*bad input here", str(caught.value))

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from mpi4py import MPI
 
-__all__ = ["ChecksDiffer", "raise_if_any", "check_same"]
+__all__ = ["ChecksDiffer", "KINDS", "exception_of", "raise_if_any", "check_same"]
 
 _MESSAGE_BYTES = 2048
 
@@ -23,7 +23,15 @@ class ChecksDiffer(ValueError):
     """
 
 
-_KINDS = (ValueError, TypeError, RuntimeError)
+#: The exception types that reach the other ranks as themselves (a subclass before its base); any other arrives
+#: as a ``RuntimeError``.
+KINDS: tuple[type[Exception], ...] = (NotImplementedError, OverflowError, ValueError, TypeError, RuntimeError)
+
+
+def exception_of(kind: str, message: str) -> Exception:
+    """The exception that another rank's error of type name ``kind`` becomes here: that type when it is one of
+    :data:`KINDS` (exactly), else a ``RuntimeError``."""
+    return next((cls for cls in KINDS if cls.__name__ == kind), RuntimeError)(message)
 
 
 def raise_if_any(
@@ -43,7 +51,8 @@ def raise_if_any(
             ``ValueError``) everywhere.
 
     Raises:
-        ValueError, TypeError or RuntimeError: as raised by the failing rank.
+        ValueError, TypeError, RuntimeError, NotImplementedError or OverflowError: as raised by the failing
+            rank (:data:`KINDS`).
     """
     size, rank = comm.Get_size(), comm.Get_rank()
     n = len(checks)
@@ -65,13 +74,13 @@ def raise_if_any(
         return
     message = np.zeros(_MESSAGE_BYTES, dtype=np.uint8)
     if rank == failed:
-        kind = next((k for k, cls in enumerate(_KINDS) if isinstance(error, cls)), len(_KINDS) - 1)
+        kind = next((k for k, cls in enumerate(KINDS) if isinstance(error, cls)), len(KINDS) - 1)
         encoded = f"{error}".encode()[: _MESSAGE_BYTES - 1]
         message[0] = kind
         message[1 : 1 + len(encoded)] = np.frombuffer(encoded, dtype=np.uint8)
     if size > 1:
         comm.Bcast(message, root=failed)
-    cls = _KINDS[int(message[0])]
+    cls = KINDS[int(message[0])]
     text = bytes(message[1:]).rstrip(b"\0").decode(errors="replace")
     exc = cls(f"rank {failed}: {text}")
     raise exc from (error if rank == failed else None)

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._core import interop
+from .._core import agreement, interop
 from .engine import Handle, Op
 from .exceptions import HorovodInternalError
 from .execute import NUMPY, Local, wire_dtype
@@ -40,8 +40,6 @@ __all__ = ["Prepared", "submit", "wait", "set_of", "tensor_arg", "tensors_arg", 
 #: What ``prepare`` returns: the request's fields (but key, kind, what), this rank's arrays, the result maker.
 Prepared = tuple[dict[str, Any], Local | None, Callable[[Response, list[Any]], Any]]
 
-_TYPES: dict[str, type[Exception]] = {c.__name__: c for c in (ValueError, TypeError, RuntimeError,
-                                                                 NotImplementedError, OverflowError)}
 
 
 def set_of(what: str, process_set: Any) -> SetInfo:
@@ -82,7 +80,7 @@ def error_of(response: Response) -> BaseException:
     kind, message = response.error
     if response.internal:
         return HorovodInternalError(message)
-    return _TYPES.get(kind, RuntimeError)(message)
+    return agreement.exception_of(kind, message)
 
 
 def submit(what: str, kind: str, process_set: Any, name: Any, prepare: Callable[[SetInfo], Prepared],
@@ -122,8 +120,7 @@ def submit(what: str, kind: str, process_set: Any, name: Any, prepare: Callable[
     request = Request(key, kind, what, **fields)
     handle = ctx.engine.submit(Op(info.id, request, local, Handle(finish, ctx.engine.signal), error_of))
     if local_error is not None and not blocking:
-        raise type(local_error)(f"rank {ctx.comm.Get_rank()}: {local_error}") if type(local_error) in \
-            _TYPES.values() else RuntimeError(f"rank {ctx.comm.Get_rank()}: {local_error}")
+        raise agreement.exception_of(type(local_error).__name__, f"rank {ctx.comm.Get_rank()}: {local_error}")
     return handle
 
 
