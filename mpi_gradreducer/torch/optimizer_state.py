@@ -1,4 +1,5 @@
-"""An optimizer's state sent from one rank to every rank: its layout pickled, its tensors as raw bytes."""
+"""An optimizer's state taken apart and put together again: sent from one rank to every rank (its layout
+pickled, its tensors as raw bytes), or kept by an elastic commit (its tensors copied)."""
 
 from __future__ import annotations
 
