@@ -49,7 +49,13 @@ def create_group(ranks: Sequence[int], comm: MPI.Intracomm | None = None) -> MPI
     except (TypeError, ValueError) as exc:
         error = exc
     agreement.raise_if_any(comm, error, checks=(digest(members),))
-    new = comm.Create(comm.Get_group().Incl(members))
+    whole = comm.Get_group()
+    chosen = whole.Incl(members)
+    try:
+        new = comm.Create(chosen)
+    finally:
+        chosen.Free()
+        whole.Free()
     if new == MPI.COMM_NULL:
         return None
     assert isinstance(new, MPI.Intracomm)  # as made from an intracommunicator (mpi4py's stubs say Comm)

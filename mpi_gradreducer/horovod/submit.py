@@ -41,7 +41,6 @@ __all__ = ["Prepared", "submit", "wait", "set_of", "tensor_arg", "tensors_arg", 
 Prepared = tuple[dict[str, Any], Local | None, Callable[[Response, list[Any]], Any]]
 
 
-
 def set_of(what: str, process_set: Any) -> SetInfo:
     """The process set ``process_set`` (a ``ProcessSet``; None: the global one) of this rank.
 
