@@ -349,23 +349,21 @@ def _broadcast(comm: MPI.Intracomm, local: Local, root: int, threshold: int) -> 
     on every rank: the sizes are agreed."""
     arrays = [a for a in local.arrays if a.size]
     groups = buckets([(a, a.size) for a in arrays if a.size < PACK_BELOW], 1, threshold) if threshold > 0 else []
-    packed = [[a for a, _ in g if a is not None] for g in groups if len(g) > 1]
-    in_packed = {id(a) for group in packed for a in group}
+    packed = [g for g in groups if len(g) > 1]
+    in_packed = {id(a) for g in packed for a, _ in g}
     alone = [a for a in arrays if id(a) not in in_packed]
     me = comm.Get_rank()
     bufs: list[np.ndarray] = []
 
     def start() -> list[MPI.Request]:
-        bufs.extend(np.concatenate(g) if me == root else np.empty(sum(a.size for a in g), np.uint8) for g in packed)
+        bufs.extend(np.concatenate([a for a, _ in g if a is not None]) if me == root else
+                    np.empty(sum(n for _, n in g), np.uint8) for g in packed)
         return [comm.Ibcast(a, root=root) for a in alone] + [comm.Ibcast(b, root=root) for b in bufs]
 
     def unpack() -> list[MPI.Request]:
         if me != root:
-            for group, buf in zip(packed, bufs, strict=True):
-                at = 0
-                for a in group:
-                    a[...] = buf[at:at + a.size]
-                    at += a.size
+            for g, buf in zip(packed, bufs, strict=True):
+                _unpack(buf, g)
         return []
 
     execution = Execution([start, unpack])
