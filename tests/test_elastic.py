@@ -195,6 +195,45 @@ def test_replacement_joins_mid_run(tmp_path: Path) -> None:
 
 
 @needs_ompi
+def test_ranks_beyond_the_listed_slots_are_drained(tmp_path: Path) -> None:
+    """The host file goes from room for 4 to room for 2: at a commit the two highest ranks leave cleanly, the two
+    others go on to the end from that commit (nothing restored, nothing lost) and the job exits 0."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:4\n")
+    out, job = start(tmp_path, "--steps", "100", env={"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(hosts)})
+    with job:
+        leavers = [pid_of(out, r) for r in (2, 3)]
+        wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
+        hosts.write_text("localhost:2  # two slots taken away\n")
+        logs = check(out, job, 100, 2, [])
+    assert not any((out / f"final.{pid}.npy").exists() for pid in leavers)
+    assert not any(_running(pid) for pid in leavers)
+    said = re.findall(r"rank (\d) of 4 leaves at the commit of (\d+)", job.output)
+    assert sorted(r for r, _ in said) == ["2", "3"], job.output[-4000:]
+    assert "2 drained rank(s) left; 2 ranks go on" in job.output
+    assert said[0][1] == said[1][1], said
+    gone = int(said[0][1])
+    for lines in logs.values():
+        assert not any(line.startswith("failure ") for line in lines), lines
+        resumed = [line.split() for line in lines if line.startswith("resume ")]
+        assert [r[2] for r in resumed] == ["2"], resumed  # one change of ranks, to 2, and no restore
+        assert int(resumed[0][1]) == gone, (resumed, gone)  # on from the very commit at which the others left
+    for pid in leavers:
+        lines = (out / f"log.{pid}").read_text().splitlines()
+        assert lines[-1].startswith(f"commit {gone - 1} "), lines[-3:]  # commit {gone} raised: they left there
+
+
+def test_drained_ranks_are_those_beyond_their_host_s_slots() -> None:
+    """The ranks a drain lets go: every rank of a host no longer listed, and the highest beyond a host's slots."""
+    from mpi_gradreducer.elastic.discovery import leaving
+
+    assert leaving({"a": 2, "b": 2}, ["a", "a", "b", "b"]) == []
+    assert leaving({"a": 2}, ["a", "b", "a", "b"]) == [1, 3]
+    assert leaving({"a": 1, "b": 3}, ["a", "b", "a", "a"]) == [2, 3]
+    assert leaving({}, ["a", "a"]) == [0, 1]
+
+
+@needs_ompi
 def test_after_recovery_bitwise_as_a_fresh_run(tmp_path: Path) -> None:
     """deterministic=True: the 3 survivors' run from the commit equals a fresh 3-rank run from that state."""
     out, job = start(tmp_path, "--steps", "30", "--save-resume")
@@ -316,6 +355,35 @@ def test_every_rank_of_one_host_killed_on_a_cluster(tmp_path: Path) -> None:
         status = cluster.finish()
         assert status == 0, f"exit status {status}\n{cluster.report()[-6000:]}"
         check_finals(out, 60, 2, [2, 3], cluster.report())
+    finally:
+        problems = cluster.close()
+        assert not problems, problems
+
+
+@pytest.mark.hosts
+@pytest.mark.skipif(CLUSTER_REASON is not None, reason=str(CLUSTER_REASON))
+def test_a_host_removed_from_the_host_file_is_drained_on_a_cluster(tmp_path: Path) -> None:
+    """2 hosts x 2 ranks of network namespaces: host 2 leaves the host file mid-training; at a commit its two
+    ranks leave cleanly, the two ranks of host 1 go on to the end and the job exits 0."""
+    out = tmp_path / "out"
+    out.mkdir()
+    hosts = tmp_path / "hosts"
+    cluster = HostCluster(2)
+    try:
+        hosts.write_text(f"{cluster.name}-h1:2\n{cluster.name}-h2:2\n")
+        cluster.start(sys.executable, str(ROOT / JOB), "--out", str(out), "--steps", "60", "--hostfile", str(hosts),
+                      ft=True)
+        leavers = [pid_of(out, r) for r in (2, 3)]
+        assert set(leavers) <= set(cluster.on_host(2)), (leavers, cluster.on_host(2))
+        wait_for(lambda: committed(out, 10), 120, "step 10's commit")
+        hosts.write_text(f"{cluster.name}-h1:2\n")
+        status = cluster.finish()
+        report = cluster.report()
+        assert status == 0, f"exit status {status}\n{report[-6000:]}"
+        check_finals(out, 60, 2, [], report)
+        assert not any((out / f"final.{pid}.npy").exists() for pid in leavers)
+        assert sorted(re.findall(r"rank (\d) of 4 leaves at the commit", report)) == ["2", "3"], report[-4000:]
+        assert not cluster.on_host(2), cluster.on_host(2)
     finally:
         problems = cluster.close()
         assert not problems, problems

@@ -12,6 +12,9 @@ The job's target size is the sum of the slots listed, capped by
 ``max_size``. When it has fewer ranks than that (ranks were lost, or a
 host was added), elastic mode starts new processes in the free slots: a
 host's free slots are its slots less the ranks already running there.
+When a host leaves the list (or lists fewer slots than it runs ranks), its
+ranks beyond its slots are *drained*: they leave at the next commit, the
+highest ranks of the host first, and the others go on.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["DISCOVERY_ENV", "HOSTFILE_ENV", "SLOTS_ENV", "Discovery", "parse_hosts", "placement"]
+__all__ = ["DISCOVERY_ENV", "HOSTFILE_ENV", "SLOTS_ENV", "Discovery", "leaving", "parse_hosts", "placement"]
 
 #: A host discovery script (its path, or a command line run by the shell).
 DISCOVERY_ENV = "MPI_GRADREDUCER_ELASTIC_DISCOVERY"
@@ -157,3 +160,22 @@ def placement(hosts: Mapping[str, int], running: Sequence[str], wanted: int) -> 
         free = max(0, slots - busy.get(host, 0))
         places += [host] * min(free, wanted - len(places))
     return places
+
+
+def leaving(hosts: Mapping[str, int], running: Sequence[str]) -> list[int]:
+    """The ranks to drain: those on a host that is not listed, or beyond its slots (the highest ranks there).
+
+    Args:
+        hosts: the hosts listed and their slots.
+        running: the host of every rank running now, by rank.
+
+    Returns:
+        The ranks that leave, ascending.
+    """
+    kept: dict[str, int] = {}
+    out: list[int] = []
+    for rank, host in enumerate(running):
+        kept[host] = kept.get(host, 0) + 1
+        if kept[host] > hosts.get(host, 0):
+            out.append(rank)
+    return out

@@ -28,14 +28,15 @@ class RanksLost(RuntimeError):
 
 
 class HostsUpdated(RuntimeError):
-    """New ranks are ready to join: raised by ``commit()`` on every rank at the same commit.
+    """The ranks change at this commit: new ranks are ready to join, or ranks of removed hosts leave.
 
-    The run loop catches it, takes the new ranks in, shares the state and
-    calls the training function again (nothing is restored: the state was
-    just committed).
+    Raised by ``commit()`` on every rank at the same commit. The run loop
+    catches it, takes the new ranks in (and shares the state with them) or
+    lets the drained ranks go, and calls the training function again on
+    the ranks that go on (nothing is restored: the state was just committed).
 
     Attributes:
-        skip_sync: Horovod's flag: whether the state needs no sync (never here: new ranks need it).
+        skip_sync: Horovod's flag: whether the state needs no sync (when ranks only leave).
     """
 
     def __init__(self, message: str = "new ranks are ready to join", skip_sync: bool = False) -> None:

@@ -112,19 +112,24 @@ def _loop(fn: Callable[..., Any], state: State, args: tuple[Any, ...], kwargs: d
                 raise
             sync = not exc.skip_sync
             t0 = time.perf_counter()
-            before = world.comm.Get_size()
+            before, rank = world.comm.Get_size(), world.comm.Get_rank()
             try:
-                world.grow()
-            except BaseException as again:  # a rank lost while the new ones merge: recover from the survivors
+                stays = world.update()
+            except BaseException as again:  # a rank lost while the ranks change: recover from the survivors
                 if not lost(again):
                     raise
                 _recover(state, world, again, lost)
                 sync = True
             else:
+                if not stays:
+                    _say(f"mpi_gradreducer.elastic: rank {rank} of {before} leaves at the commit of {state.commits}: "
+                         f"{world.settings.discovery.describe()} no longer lists a slot for it on its host")
+                    raise SystemExit(0)
+                change = world.comm.Get_size() - before
                 if world.comm.Get_rank() == 0:
-                    _say(f"mpi_gradreducer.elastic: {world.comm.Get_size() - before} new rank(s) joined; "
-                         f"{world.comm.Get_size()} ranks go on from the commit of {state.commits} "
-                         f"({time.perf_counter() - t0:.2f} s to merge and rebuild)")
+                    what = f"{change} new rank(s) joined" if change > 0 else f"{-change} drained rank(s) left"
+                    _say(f"mpi_gradreducer.elastic: {what}; {world.comm.Get_size()} ranks go on from the commit "
+                         f"of {state.commits} ({time.perf_counter() - t0:.2f} s to change and rebuild)")
         except BaseException as exc:
             if not lost(exc):
                 raise

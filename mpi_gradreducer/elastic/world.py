@@ -8,7 +8,10 @@ own to the survivors and rebuilds the objects on it. When a host discovery
 script or host file lists room for more ranks, it starts them in the
 background (``Spawn`` from the survivors); they run the script from its top
 and wait at the start of the run loop, and at the next commit on which every
-rank sees them started, the two sides merge into one communicator.
+rank sees them started, the two sides merge into one communicator. When the
+discovery no longer lists the host of some ranks (or lists fewer slots there),
+those ranks are drained: at the next commit they leave and the others go on
+over a communicator of their own.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from mpi4py import MPI
 
 from .._core import faults
 from . import _ulfm
-from .discovery import Discovery, placement
+from .discovery import Discovery, leaving, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
@@ -107,8 +110,11 @@ class World:
         self._tracked: list[Rebuildable] = []
         self._spawner: _Spawner | None = None
         self._look: _Look | None = None
-        self._pending: tuple[MPI.Request, np.ndarray, bool] | None = None
+        self._pending: tuple[MPI.Request, np.ndarray, bool, np.ndarray] | None = None  # the request, its buffers
         self._failed_spawns = 0
+        self._running: list[str] | None = None  # the host of every rank of comm, once asked
+        self._leaving: list[int] | None = None  # the ranks that a drain lets go, between the verdict and update()
+        self._said_no_drain = False
         self._joined = False
         self._guarded = False
         #: Seconds of the last recovery, from catching the failure to the objects rebuilt.
@@ -214,6 +220,33 @@ class World:
         self._merge()
         self.rebuild()
 
+    def update(self) -> bool:
+        """After the interrupt: let the drained ranks go, or take in the new ones; rebuild (collective).
+
+        Returns:
+            Whether this rank goes on training. A drained rank has left: its
+            tracked objects are abandoned and its communicators freed, and it
+            must make no more collective calls over this world.
+        """
+        if self._leaving is None:
+            self.grow()
+            return True
+        drained, self._leaving = self._leaving, None
+        self._guard_exit()
+        stay = self.comm.Get_rank() not in drained
+        new = self.comm.Split(0 if stay else MPI.UNDEFINED, self.comm.Get_rank())
+        if stay:
+            self._replace(_ulfm.returning(new))  # type: ignore[arg-type]
+            self.rebuild()
+            return True
+        if self._look is not None:
+            self._look.stop.set()
+            self._look = None
+        for t in self._tracked:
+            t.abandon()
+        self._replace(MPI.COMM_NULL)  # type: ignore[arg-type]
+        return False
+
     def _merge(self) -> None:
         self._guard_exit()
         spawner, self._spawner = self._spawner, None
@@ -231,9 +264,11 @@ class World:
         """
         if not self.settings.discovery.configured and self._spawner is None:
             return
+        if self._running is None:  # once per communicator, at the same commit on every rank
+            self._running = self._hosts_here()
         verdict, spawned_before = None, False
         if self._pending is not None:
-            request, values, spawned_before = self._pending
+            request, values, spawned_before, _ = self._pending
             request.Wait()
             self._pending = None
             verdict = values
@@ -242,17 +277,23 @@ class World:
         elif self.comm.Get_rank() != 0 and self._look is not None:  # rank 0 is another process now
             self._look.stop.set()
             self._look = None
-        capacity = self._look.capacity if self._look is not None else 0
-        spawning = self._spawner is not None and not self._spawner.done.is_set()
-        mine = np.array([capacity if self.comm.Get_rank() == 0 else 0, int(spawning)], dtype=np.int64)
-        values = np.zeros(2, dtype=np.int64)
-        self._pending = (self.comm.Iallreduce(mine, values, op=MPI.MAX), values, self._spawner is not None)
+        # [rank 0's capacity, whether any rank's spawn is in flight, then per rank: whether it is drained]
+        mine = np.zeros(2 + self.comm.Get_size(), dtype=np.int64)
+        mine[1] = self._spawner is not None and not self._spawner.done.is_set()
+        if self._look is not None:
+            mine[0] = self._look.capacity
+            if self._look.hosts is not None:
+                mine[2 + np.array(leaving(self._look.hosts, self._running), dtype=np.intp)] = 1
+        values = np.zeros_like(mine)
+        self._pending = (self.comm.Iallreduce(mine, values, op=MPI.MAX), values, self._spawner is not None, mine)
         if verdict is None:
             return
         if self._spawner is not None:
             if spawned_before and verdict[1] == 0:  # every rank's spawn has returned
                 self._finish_spawn()
             return
+        if verdict[2:].any():
+            self._drain([int(r) for r in np.flatnonzero(verdict[2:])])
         want = self._target(int(verdict[0])) - self.comm.Get_size()
         if want > 0 and self._failed_spawns < MAX_FAILED_SPAWNS:
             self._start_spawn(want)
@@ -302,6 +343,7 @@ class World:
 
     def _replace(self, comm: MPI.Intracomm) -> None:
         self._complete_pending()
+        self._running = None
         old, self.comm = self.comm, comm
         if old != MPI.COMM_NULL and old != comm:
             try:
@@ -329,10 +371,24 @@ class World:
     def _hosts_here(self) -> list[str]:
         return self.comm.allgather(MPI.Get_processor_name())
 
+    def _drain(self, ranks: list[int]) -> None:
+        """Raise the interrupt on every rank to let ``ranks`` go, unless too few would be left (collective
+        verdict: every rank decides the same)."""
+        left = self.comm.Get_size() - len(ranks)
+        if left < max(1, self.settings.min_size):
+            if self.comm.Get_rank() == 0 and not self._said_no_drain:
+                sys.stderr.write(f"mpi_gradreducer.elastic: {self.settings.discovery.describe()} no longer lists "
+                                 f"the host of rank(s) {_listed(ranks)}; they go on training: draining them would "
+                                 f"leave {left}, fewer than min_size={max(1, self.settings.min_size)}\n")
+                self._said_no_drain = True
+            return
+        self._leaving = ranks
+        raise self.interrupt(f"rank(s) {_listed(ranks)} leave: their host is no longer listed", skip_sync=True)
+
     def _start_spawn(self, want: int | None) -> None:
         """Start ``want`` new ranks in the background (None: up to the target size), where the discovery lists
         free slots (collective)."""
-        hosts = self.comm.bcast(_safe_hosts(self.settings.discovery) if self.comm.Get_rank() == 0 else None)
+        hosts = self.comm.bcast((_safe_hosts(self.settings.discovery) or {}) if self.comm.Get_rank() == 0 else None)
         if want is None:
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
         if want <= 0:
@@ -370,7 +426,7 @@ class World:
         settings = self.settings
         deadline = time.monotonic() + settings.timeout
         while self.comm.Get_size() < settings.min_size:
-            hosts = _safe_hosts(settings.discovery) if self.comm.Get_rank() == 0 else None
+            hosts = (_safe_hosts(settings.discovery) or {}) if self.comm.Get_rank() == 0 else None
             hosts = self.comm.bcast(hosts)
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
             places = placement(hosts, self._hosts_here(), want) if want > 0 else []
@@ -446,20 +502,31 @@ def _libmpi() -> ctypes.CDLL | None:
     return None
 
 
-def _safe_hosts(discovery: Discovery) -> dict[str, int]:
-    """The discovery's hosts; a failing script counts as no room (said on stderr)."""
+def _listed(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _safe_hosts(discovery: Discovery) -> dict[str, int] | None:
+    """The discovery's hosts; None when the script or file failed, which counts as no room (said on stderr)."""
     try:
         return discovery.hosts()
     except (RuntimeError, ValueError) as exc:
         sys.stderr.write(f"mpi_gradreducer.elastic: {exc}; counting no room\n")
-        return {}
+        return None
 
 
 class _Look:
-    """Rank 0's look at the discovery, every :data:`LOOK_EVERY` seconds on a thread of its own."""
+    """Rank 0's look at the discovery, every :data:`LOOK_EVERY` seconds on a thread of its own.
+
+    Attributes:
+        capacity: the slots listed at the last look (0 when it failed).
+        hosts: the hosts listed at the last look that succeeded (None before one has): a failing script
+            drains nothing.
+    """
 
     def __init__(self, discovery: Discovery) -> None:
         self.capacity = 0
+        self.hosts: dict[str, int] | None = None
         self.stop = threading.Event()
         self._discovery = discovery
         thread = threading.Thread(target=self._run, name="mpi_gradreducer-discovery", daemon=True)
@@ -467,7 +534,9 @@ class _Look:
 
     def _run(self) -> None:
         while not self.stop.is_set():
-            self.capacity = sum(_safe_hosts(self._discovery).values())
+            hosts = _safe_hosts(self._discovery)
+            self.capacity = sum(hosts.values()) if hosts is not None else 0
+            self.hosts = hosts if hosts is not None else self.hosts
             self.stop.wait(LOOK_EVERY)
 
 

@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--progress", default="deferred")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--min-size", type=int, default=None)
+    parser.add_argument("--hostfile", default="", help="the host file of the job's room (default: the environment)")
     parser.add_argument("--save-resume", action="store_true")
     parser.add_argument("--load", default="")
     args = parser.parse_args()
@@ -154,7 +155,7 @@ def main() -> None:
 
     state.register_reset_callbacks([on_reset])
 
-    @elastic.run(min_size=args.min_size)
+    @elastic.run(min_size=args.min_size, discovery=elastic.Discovery(hostfile=args.hostfile) if args.hostfile else None)
     def train(state: Tracked) -> None:
         grads = [np.empty_like(p) for p in params]
         while state.step < args.steps:
