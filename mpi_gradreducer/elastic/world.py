@@ -110,7 +110,9 @@ class World:
         self._tracked: list[Rebuildable] = []
         self._spawner: _Spawner | None = None
         self._look: _Look | None = None
-        self._pending: tuple[MPI.Request, np.ndarray, bool, np.ndarray] | None = None  # the request, its buffers
+        # the commit's reduction: its request, its result, whether a spawn was in flight, and its send buffer (mpi4py's
+        # request does not keep the send buffer of a nonblocking reduction alive)
+        self._pending: tuple[MPI.Request, np.ndarray, bool, np.ndarray] | None = None
         self._failed_spawns = 0
         self._running: list[str] | None = None  # the host of every rank of comm, once asked
         self._leaving: list[int] | None = None  # the ranks that a drain lets go, between the verdict and update()

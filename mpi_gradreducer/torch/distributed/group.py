@@ -502,8 +502,8 @@ class MPIProcessGroup(dist.ProcessGroup):
 
         def body() -> None:
             for out, inp in pairs:
-                self._wait(self._comm.Iallgather(_apart(inp.bytes(), out.bytes(), self._comm.Get_rank()),
-                                                 out.bytes()))
+                send = _apart(inp.bytes(), out.bytes(), self._comm.Get_rank())  # held: the request does not hold it
+                self._wait(self._comm.Iallgather(send, out.bytes()))
                 out.back()
 
         return self._submit("all_gather_into_tensor", outputs, error, rows, body)
