@@ -150,7 +150,7 @@ class World:
         for t in self._tracked:
             yield from t.communicators()
         if self._spawner is not None:
-            yield self._spawner.comm
+            yield from self._spawner.communicators()
 
     def rebuild(self) -> None:
         """Rebuild every tracked object on ``comm`` (collective), in the order tracked."""
@@ -172,6 +172,7 @@ class World:
         self._guard_exit()
         _ulfm.returning(parent)
         try:  # until the merged communicator is this world's, a failure leaves this process out: never train alone
+            parent.Barrier()  # tells the running ranks that this process is here (see _Spawner._spawn)
             merged = parent.Merge(high=True)
             parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
         except MPI.Exception as exc:
@@ -252,7 +253,7 @@ class World:
     def _merge(self) -> None:
         self._guard_exit()
         spawner, self._spawner = self._spawner, None
-        assert spawner is not None and spawner.inter is not None
+        assert spawner is not None and spawner.inter is not None and spawner.ready
         merged = spawner.inter.Merge(high=False)
         spawner.free()
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
@@ -319,7 +320,7 @@ class World:
             self._look = None
         if self._spawner is not None:
             self._spawner.done.wait()
-            if self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN):
+            if self.comm.allreduce(int(self._spawner.ready), op=MPI.MIN):
                 self.grow()
                 return True
             self._drop_background()
@@ -402,7 +403,7 @@ class World:
     def _finish_spawn(self) -> None:
         """Every rank's spawn has returned: raise the interrupt if all succeeded, else drop it (collective)."""
         assert self._spawner is not None
-        ok = self.comm.allreduce(int(self._spawner.inter is not None), op=MPI.MIN)
+        ok = self.comm.allreduce(int(self._spawner.ready), op=MPI.MIN)
         if ok:
             raise self.interrupt(f"{self._spawner.count} new rank(s) are ready to join")
         self._failed_spawns += 1
@@ -434,7 +435,7 @@ class World:
             places = placement(hosts, self._hosts_here(), want) if want > 0 else []
             if places:
                 spawner = _Spawner(self.comm, places, background=False)
-                if spawner.inter is not None:
+                if spawner.ready:
                     self._spawner = spawner
                     self._merge()
                     continue
@@ -570,17 +571,31 @@ class _Spawner:
             if any(p != here for p in self.places):
                 info.Set("host", ",".join(self.places))
             argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
-            inter = self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count, info=info, root=0)
-            self.inter = _ulfm.returning(inter)  # type: ignore[assignment]
+            inter: MPI.Intercomm = _ulfm.returning(  # type: ignore[assignment]
+                self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count, info=info, root=0))
+            self.inter = inter
+            # Spawn returns once the new processes have initialized MPI; they still start Python, import and set
+            # up. This barrier, which they enter on reaching the run loop, holds the verdict "spawned" until then,
+            # so that the merge at the next commit waits for no one (it took seconds, the training stalled).
+            inter.Barrier()
         except BaseException as exc:  # reported by check_host_updates on every rank
             self.error = exc
         finally:
             info.Free()
             self.done.set()
 
+    @property
+    def ready(self) -> bool:
+        """Whether the new processes started and every one has reached the run loop (after :attr:`done`)."""
+        return self.inter is not None and self.error is None
+
+    def communicators(self) -> list[MPI.Comm]:
+        """The communicators to revoke on a failure: the one spawned over, and the new processes' (once made)."""
+        return [c for c in (self.comm, self.inter) if c is not None]
+
     def abandon(self) -> None:
-        """Forget the spawn: revoke its communicator; a spawn still in flight ends with an error."""
-        _ulfm.revoke([self.comm])
+        """Forget the spawn: revoke its communicators; a spawn or a wait for the new processes ends with an error."""
+        _ulfm.revoke(self.communicators())
         self.done.wait(timeout=5.0)
         self.free()
 

@@ -48,9 +48,11 @@ import time
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI  # noqa: I001 (after the package)
 
-from mpi_gradreducer import DistributedGradReducer, elastic  # first: it sets Open MPI's defaults for ULFM
+# isort: off
+from mpi_gradreducer import DistributedGradReducer, elastic  # before mpi4py.MPI: it sets Open MPI's ULFM defaults
+from mpi4py import MPI
+# isort: on
 
 FEATURES, OUTPUTS, BATCH = 48, 8, 24
 
@@ -107,7 +109,7 @@ def main() -> None:
     paused: list[str] = []  # the pauses made (each at most once)
 
     def pause(name: str, rank: int, step: int) -> None:
-        if first_rank == rank and name not in paused:
+        if rank >= 0 and first_rank == rank and name not in paused:  # -1: no rank (a replacement's first_rank)
             paused.append(name)
             at(name, step)
             time.sleep(3.0)
@@ -116,7 +118,7 @@ def main() -> None:
         def sync(self) -> None:
             if self.failure is not None:
                 at("sync", self.step)
-                if first_rank == args.slow_sync:
+                if args.slow_sync >= 0 and first_rank == args.slow_sync:
                     time.sleep(3.0)
             super().sync()
 
