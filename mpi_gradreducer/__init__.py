@@ -13,12 +13,14 @@ Example::
 import os as _os
 import sys as _sys
 
-from ._core.faults import ft_requested as _ft_requested
+from ._core.faults import detector_settings as _detector_settings, ft_requested as _ft_requested
 
 if _ft_requested() and "mpi4py.MPI" not in _sys.modules:
     # Open MPI with ULFM (elastic mode): MPI_Finalize's closing fence was seen to hang for good after a rank was
     # lost (3 survivors of 4, every communicator freed); without the fence every process exits at once.
     _os.environ.setdefault("OMPI_MCA_mpi_async_mpi_finalize", "1")
+    # MPI_GRADREDUCER_ELASTIC_DETECT: ULFM's heartbeat detector, for processes that stop answering without dying
+    _os.environ.update({k: v for k, v in _detector_settings().items() if k not in _os.environ})
 
 from ._core.groups import broadcast_parameters, create_group, local_rank, local_size, select_device
 from ._core.hooks import GradBucket

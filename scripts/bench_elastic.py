@@ -16,6 +16,12 @@
   step completed after the recovery (their next commit), median of 3 runs.
 - ``replacement``: as ``recovery`` with room for 4 in a host file; the
   seconds from the kill to the new rank's first completed step.
+- ``detect [--settings off,10,2,1]``: as ``recovery``, but rank 2 is
+  stopped (SIGSTOP: alive and silent, as a hung process or a host cut off)
+  instead of killed; for each ``MPI_GRADREDUCER_ELASTIC_DETECT`` setting,
+  the seconds from the stop to the survivors' next completed step (ULFM's
+  heartbeat detector is what sees it), and the step time before the stop.
+  The stopped process is SIGKILLed afterwards, so that the job ends.
 - ``chaos [--periods 15,60] [--seconds 120]``: Open MPI with ULFM, room for 4
   ranks in a host file, a commit every step (``tests/jobs/elastic_train.py``,
   20 ms of compute a step); the same number of steps undisturbed, then with a
@@ -178,6 +184,65 @@ def _after_kill(replace: bool) -> float:
         return min(firsts)
 
 
+def _after_stop(detect: str, wait: float = 30.0) -> tuple[float | None, float, int]:
+    """Rank 2 SIGSTOPped (alive, silent) after step 20: the seconds to the survivors' next completed step (None
+    when none came within ``wait``; the stopped process is then SIGKILLed so that the job ends), and the median
+    step time before the stop, and mpiexec's exit status."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        env = {"MPI_GRADREDUCER_ELASTIC_DETECT": detect} if detect != "off" else {}
+        with _ompi_job(out, env, steps=int(wait * 40) + 200) as job:
+            deadline = time.monotonic() + 120
+            while not any("commit 20 " in p.read_text() for p in out.glob("log.*")):
+                if time.monotonic() > deadline or job.poll() is not None:
+                    raise RuntimeError(f"the job did not reach step 20:\n{job.stdout[-3000:]}")
+                time.sleep(0.01)
+            victim = int((out / "pid.2").read_text())
+            stopped = time.time()
+            os.kill(victim, signal.SIGSTOP)
+
+            def resumed() -> float | None:
+                for log in out.glob("log.*"):
+                    seen = False
+                    for words in (line.split() for line in log.read_text().splitlines()):
+                        if words and words[0] == "resume" and float(words[3]) > stopped:
+                            seen = True
+                        elif words and words[0] == "commit" and seen:
+                            return float(words[2]) - stopped
+                return None
+
+            while (first := resumed()) is None and time.time() < stopped + wait and job.poll() is None:
+                time.sleep(0.05)
+            os.kill(victim, signal.SIGKILL)  # the job ends only without it
+            done = job.finish(180)
+            if done.timed_out:
+                raise RuntimeError(f"the job did not end within 180 s:\n{done.stdout[-3000:]}")
+            finals = len(list(out.glob("final.*.txt")))
+            if finals != 3:
+                raise RuntimeError(f"{finals} processes finished, not 3 (exit status {done.returncode}):\n"
+                                   f"{done.stdout[-3000:]}")
+        zero = (out / f"log.{(out / 'pid.0').read_text()}").read_text().splitlines()
+        times = [float(line.split()[2]) for line in zero if line.startswith("commit ")
+                 and float(line.split()[2]) < stopped]
+        step = statistics.median(b - a for a, b in zip(times, times[1:], strict=False)) if len(times) > 2 \
+            else float("nan")
+        return first, step, done.returncode
+
+
+def bench_detect(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="bench_elastic.py detect")
+    parser.add_argument("--settings", default="off,10,2,1",
+                        help="MPI_GRADREDUCER_ELASTIC_DETECT values, comma-separated ('off': unset)")
+    parser.add_argument("--wait", type=float, default=30.0, help="give up on detection after this long")
+    args = parser.parse_args(argv)
+    for detect in args.settings.split(","):
+        first, step, status = _after_stop(detect, args.wait)
+        seen = f"{first:.2f} s" if first is not None else f"not within {args.wait:g} s"
+        print(f"a stopped rank (SIGSTOP), MPI_GRADREDUCER_ELASTIC_DETECT={detect}: stop to the survivors' next "
+              f"completed step {seen}; {step * 1e3:.1f} ms a step before the stop; exit status {status} (4 ranks, "
+              "Open MPI with --with-ft ulfm, a commit every step)", flush=True)
+
+
 def bench_recovery(replace: bool = False) -> None:
     times = [_after_kill(replace) for _ in range(3)]
     what = "replacement joined (kill to its first completed step)" if replace else \
@@ -281,7 +346,8 @@ def _chaos(out: Path, steps: int, period: float | None, rng: random.Random, limi
             nxt = [t for t, _, p in commits if p == pid and t > when]
             if nxt:
                 recovery.append(min(nxt) - k)
-        joined = [t for t, _, p in commits if p in news and t > k]
+        born = [p for p in news if (out / f"pid.new.{p}").stat().st_mtime > k]  # started after this kill
+        joined = [t for t, _, p in commits if p in born and t > k]
         if joined:
             rejoin.append(min(joined) - k)
     # mpiexec's own status is reported, not judged: Open MPI 5.0.11's prterun exits with a SIGKILLed
@@ -320,6 +386,9 @@ def main() -> None:
         return
     if sys.argv[1:2] == ["chaos"]:
         bench_chaos(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["detect"]:
+        bench_detect(sys.argv[2:])
         return
     which = sys.argv[1:] or ["commit", "step", "recovery", "replacement"]
     for name in which:

@@ -10,7 +10,9 @@ the last step it had committed); the survivors named the lost ranks.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -221,6 +223,41 @@ def test_ranks_beyond_the_listed_slots_are_drained(tmp_path: Path) -> None:
     for pid in leavers:
         lines = (out / f"log.{pid}").read_text().splitlines()
         assert lines[-1].startswith(f"commit {gone - 1} "), lines[-3:]  # commit {gone} raised: they left there
+
+
+@needs_ompi
+def test_a_stopped_rank_is_seen_by_the_heartbeat_detector(tmp_path: Path) -> None:
+    """MPI_GRADREDUCER_ELASTIC_DETECT=2: a rank SIGSTOPped (alive, silent: its launcher reports nothing) is declared
+    lost by ULFM's heartbeats; the three others go on within seconds, then the stopped process is SIGKILLed."""
+    out, job = start(tmp_path, "--steps", "400", env={"MPI_GRADREDUCER_ELASTIC_DETECT": "2"})
+    with job:
+        victim = pid_of(out, 2)
+        wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
+        stopped = time.time()
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            wait_for(lambda: any(line.startswith("resume ") and float(line.split()[3]) > stopped
+                                 for p in out.glob("log.*") for line in p.read_text().splitlines()),
+                     60, "the survivors' resume", job)
+            seen = time.time() - stopped
+        finally:
+            kill(victim)
+        check(out, job, 400, 3, [2])
+    assert seen < 30, seen
+
+
+def test_detector_settings_from_the_environment() -> None:
+    """MPI_GRADREDUCER_ELASTIC_DETECT=S: ULFM's detector on (not its thread), timeout S, period S/4; bad values
+    name the variable."""
+    from mpi_gradreducer._core.faults import detector_settings
+
+    assert detector_settings({}) == {}
+    assert detector_settings({"MPI_GRADREDUCER_ELASTIC_DETECT": "2"}) == {
+        "OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_thread": "false",
+        "OMPI_MCA_mpi_ft_detector_timeout": "2", "OMPI_MCA_mpi_ft_detector_period": "0.5"}
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(ValueError, match=rf"MPI_GRADREDUCER_ELASTIC_DETECT: expected a positive number .*{bad}"):
+            detector_settings({"MPI_GRADREDUCER_ELASTIC_DETECT": bad})
 
 
 def test_drained_ranks_are_those_beyond_their_host_s_slots() -> None:

@@ -17,13 +17,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-__all__ = ["FT_ENV", "failure_classes", "failure_of", "ft_requested", "ulfm_available", "why_no_ulfm"]
+__all__ = ["DETECT_ENV", "FT_ENV", "detector_settings", "failure_classes", "failure_of", "ft_requested",
+           "ulfm_available", "why_no_ulfm"]
 
 #: The environment variable that Open MPI's ``mpiexec --with-ft ulfm`` sets in every process it starts.
 FT_ENV = "OMPI_MCA_mpi_ft_enable"
 
 #: The values of :data:`FT_ENV` that mean "on" (Open MPI's boolean words, in any case).
 _ON = ("1", "true", "yes", "enabled", "on")
+
+#: Seconds within which a process that stops answering (stopped, hung, its host cut off) is declared lost.
+DETECT_ENV = "MPI_GRADREDUCER_ELASTIC_DETECT"
 
 
 def ft_requested(environ: Mapping[str, str] | None = None) -> bool:
@@ -34,6 +38,44 @@ def ft_requested(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     return env.get(FT_ENV, "").strip().lower() in _ON
+
+
+def detector_settings(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Open MPI's settings for ULFM's heartbeat detector, from :data:`DETECT_ENV` (none when it is unset).
+
+    A process that dies is seen at once (its launcher daemon reports it),
+    but one that stops answering while alive (a stopped or hung process, a
+    host cut off) is seen only by ULFM's detector, which is off by default
+    (``mpi_ft_detector``). ``MPI_GRADREDUCER_ELASTIC_DETECT=S`` turns it on,
+    with a timeout of ``S`` seconds and a period of ``S / 4`` (Open MPI
+    wants the timeout above 3 periods). Its heartbeats go out as MPI
+    progresses (the package's threads call MPI while the training computes),
+    not from Open MPI's own detector thread: with that thread, Open MPI
+    5.0.11's ``MPI_Finalize`` hung or crashed at the end of every run tried.
+    Settings the environment already has (``OMPI_MCA_mpi_ft_detector...``)
+    win.
+
+    Args:
+        environ: the environment to read (default ``os.environ``).
+
+    Returns:
+        ``{OMPI_MCA_name: value}`` to set before MPI is initialized.
+
+    Raises:
+        ValueError: the variable is not a positive number of seconds, naming it.
+    """
+    env = os.environ if environ is None else environ
+    text = env.get(DETECT_ENV, "").strip()
+    if not text:
+        return {}
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError(f"{DETECT_ENV}: expected a positive number of seconds, got {text!r}")
+    return {"OMPI_MCA_mpi_ft_detector": "true", "OMPI_MCA_mpi_ft_detector_thread": "false",
+            "OMPI_MCA_mpi_ft_detector_timeout": f"{seconds:g}", "OMPI_MCA_mpi_ft_detector_period": f"{seconds / 4:g}"}
 
 
 def why_no_ulfm() -> str | None:
