@@ -197,6 +197,30 @@ def test_replacement_joins_mid_run(tmp_path: Path) -> None:
 
 
 @needs_ompi
+def test_a_replacement_killed_as_it_starts(tmp_path: Path) -> None:
+    """Rank 2 is lost with room for 4; its replacement is SIGKILLed as soon as it starts (before it reaches the run
+    loop): its loss does not reach the running ranks, which train on; past the join timeout (8 s here) its start
+    counts as failed, and the job ends with the three survivors' identical parameters, no committed step lost."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:4\n")
+    out, job = start(tmp_path, "--steps", "600", env={"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(hosts),
+                                                      "MPI_GRADREDUCER_ELASTIC_JOIN_TIMEOUT": "8"})
+    with job:
+        victim = pid_of(out, 2)
+        wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
+        kill(victim)
+        new = wait_for(lambda: [p for p in out.glob("pid.new.*") if p.read_text().strip()], 120, "a replacement",
+                       job)
+        first = int(new[0].read_text())
+        kill(first)
+        job.wait(180)  # its status is Open MPI's: 137 after a replacement was killed (docs/elastic.rst, Limits)
+    finals = list(out.glob("final.*.npy"))
+    logs = check_finals(out, 600, len(finals), [2], job.output)
+    assert len(finals) >= 3 and first not in logs, (len(finals), first, list(logs))
+    assert "did not reach the run loop within 8 s" in job.output, job.output[-4000:]
+
+
+@needs_ompi
 def test_ranks_beyond_the_listed_slots_are_drained(tmp_path: Path) -> None:
     """The host file goes from room for 4 to room for 2: at a commit the two highest ranks leave cleanly, the two
     others go on to the end from that commit (nothing restored, nothing lost) and the job exits 0."""

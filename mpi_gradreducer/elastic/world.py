@@ -35,11 +35,16 @@ from .discovery import Discovery, leaving, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
-__all__ = ["MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World", "joining"]
+__all__ = ["JOIN_TIMEOUT_ENV", "MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World",
+           "joining"]
 
 MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
 MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
 TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
+JOIN_TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_JOIN_TIMEOUT"
+#: How long new processes may take from their start to the run loop, by default, before their start counts as
+#: failed (one killed as it started never arrives, and no failure of it reaches the running ranks).
+DEFAULT_JOIN_TIMEOUT = 60.0
 #: How long the survivors wait for room below the minimum size, by default (Horovod's elastic timeout).
 DEFAULT_TIMEOUT = 600.0
 #: After this many failed starts of new ranks, the job stops trying (it goes on with the ranks it has).
@@ -63,6 +68,9 @@ class Settings:
         max_size: never more ranks than this (default: what the discovery lists).
         timeout: seconds to wait below ``min_size`` before giving up.
 
+    The seconds that new processes may take to reach the run loop come from
+    ``MPI_GRADREDUCER_ELASTIC_JOIN_TIMEOUT`` (default 60).
+
     Raises:
         ValueError: a size or the timeout is not positive, or ``min_size > max_size``.
     """
@@ -73,6 +81,7 @@ class Settings:
         self.min_size = _positive("min_size", min_size, MIN_SIZE_ENV, 1, int)
         self.max_size = _positive("max_size", max_size, MAX_SIZE_ENV, None, int)
         self.timeout = _positive("timeout", timeout, TIMEOUT_ENV, DEFAULT_TIMEOUT, float)
+        self.join_timeout = _positive("join_timeout", None, JOIN_TIMEOUT_ENV, DEFAULT_JOIN_TIMEOUT, float)
         if self.max_size is not None and self.min_size > self.max_size:
             raise ValueError(f"min_size={self.min_size} is larger than max_size={self.max_size}")
 
@@ -398,7 +407,7 @@ class World:
             return
         places = placement(hosts, self._hosts_here(), want)
         if places:
-            self._spawner = _Spawner(self.comm, places)
+            self._spawner = _Spawner(self.comm, places, self.settings.join_timeout)
 
     def _finish_spawn(self) -> None:
         """Every rank's spawn has returned: raise the interrupt if all succeeded, else drop it (collective)."""
@@ -434,7 +443,7 @@ class World:
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
             places = placement(hosts, self._hosts_here(), want) if want > 0 else []
             if places:
-                spawner = _Spawner(self.comm, places, background=False)
+                spawner = _Spawner(self.comm, places, settings.join_timeout, background=False)
                 if spawner.ready:
                     self._spawner = spawner
                     self._merge()
@@ -549,13 +558,16 @@ class _Spawner:
     Args:
         comm: the ranks training now.
         places: one host per new rank.
+        join_timeout: seconds the new processes may take to reach the run loop; later, the start failed.
         background: spawn on a thread (the training goes on meanwhile).
     """
 
-    def __init__(self, comm: MPI.Intracomm, places: list[str], background: bool = True) -> None:
+    def __init__(self, comm: MPI.Intracomm, places: list[str], join_timeout: float,
+                 background: bool = True) -> None:
         self.comm: MPI.Intracomm = _ulfm.returning(comm.Dup())  # type: ignore[assignment]
         self.count = len(places)
         self.places = places
+        self.join_timeout = join_timeout
         self.inter: MPI.Intercomm | None = None
         self.error: BaseException | None = None
         self.done = threading.Event()
@@ -576,8 +588,16 @@ class _Spawner:
             self.inter = inter
             # Spawn returns once the new processes have initialized MPI; they still start Python, import and set
             # up. This barrier, which they enter on reaching the run loop, holds the verdict "spawned" until then,
-            # so that the merge at the next commit waits for no one (it took seconds, the training stalled).
-            inter.Barrier()
+            # so that the merge at the next commit waits for no one. A new process killed meanwhile never
+            # arrives, and its loss does not reach this side: past the join timeout the start failed (the
+            # failure then revokes the communicators, which ends the barrier of any that did arrive).
+            arrived = inter.Ibarrier()
+            deadline = time.monotonic() + self.join_timeout
+            while not arrived.Test():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the new process(es) did not reach the run loop within "
+                                       f"{self.join_timeout:g} s ({JOIN_TIMEOUT_ENV})")
+                time.sleep(0.02)
         except BaseException as exc:  # reported by check_host_updates on every rank
             self.error = exc
         finally:
