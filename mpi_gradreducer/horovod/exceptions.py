@@ -25,7 +25,8 @@ class HorovodInternalError(RuntimeError):
 
 
 class HostsUpdatedInterrupt(HostsUpdated):
-    """New ranks are ready to join (Horovod's name): raised by ``state.commit()`` on every rank at once."""
+    """The ranks change (Horovod's name): new ranks are ready to join, or those of removed hosts leave; raised by
+    ``state.commit()`` on every rank at once."""
 
 
 def internal_error_of(exc: BaseException) -> HorovodInternalError | None:
