@@ -181,7 +181,9 @@ class World:
         self._guard_exit()
         _ulfm.returning(parent)
         try:  # until the merged communicator is this world's, a failure leaves this process out: never train alone
-            parent.Barrier()  # tells the running ranks that this process is here (see _Spawner._spawn)
+            # tells the running ranks that this process is here (see _Spawner._spawn); nonblocking as theirs is:
+            # MPI matches a nonblocking collective only with nonblocking ones
+            parent.Ibarrier().Wait()
             merged = parent.Merge(high=True)
             parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
         except MPI.Exception as exc:
