@@ -55,7 +55,7 @@ def test_chaos_a_random_process_killed_every_few_seconds_while_replacements_join
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_elastic import chaos_run
 
-    run = chaos_run(600, 8.0, seed=3, limit=300, keep=tmp_path / "job", most=3)
+    run = chaos_run(2000, 8.0, seed=3, limit=300, keep=tmp_path / "job", most=3)  # about 50 s: 3 kills
     kills, lost, rejoin = run["kills"], run["lost"], run["rejoin"]
     assert isinstance(kills, list) and isinstance(lost, list) and isinstance(rejoin, list)
     assert len(kills) >= 2, f"the job ended after {len(kills)} kills: too short to test anything"
