@@ -123,18 +123,18 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
             raise TypeError(f"{what}: compression: expected Compression.none or Compression.fp16, got {compression!r}")
         given = [tensor_arg(what, tensors)] if single else tensors_arg(what, tensors)
-        sent, contexts = [], []
-        for i, t in enumerate(given):
-            c, ctx = compression.compress(t)
+        code, plain = int(reduce_op), compression is Compression.none
+        sent, contexts, arrays, own, entries = [], [], [], [], []
+        for i, t in enumerate(given):  # one pass: per tensor, what travels, its array and its entry
+            c, ctx = (t, None) if plain else compression.compress(t)
             if c.dtype not in _REDUCIBLE or c.dtype.is_complex and reduce_op in (ReduceOp.Min, ReduceOp.Max):
                 raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
+            mine = writable_view(c, code) if inplace and c is t else None  # reduced where it lies
             sent.append(c)
             contexts.append(ctx)
-        arrays, own = [], []
-        for c, t in zip(sent, given, strict=True):
-            mine = writable_view(c, int(reduce_op)) if inplace and c is t else None  # reduced where it lies
             own.append(mine is not None)
-            arrays.append(mine if mine is not None else numeric(c, int(reduce_op)))
+            arrays.append(mine if mine is not None else numeric(c, code))
+            entries.append(entry(c))
 
         def finish(response: Any, outputs: list[Any]) -> Any:
             if not inplace:
@@ -147,7 +147,7 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
                         t.copy_(compression.decompress(_tensor_of(a, c), ctx))
             return given[0] if single else given
 
-        fields = {"entries": tuple(entry(c) for c in sent), "op": int(reduce_op), "factors": factors}
+        fields = {"entries": tuple(entries), "op": code, "factors": factors}
         return fields, Local(arrays), finish
 
     return submit(what, "allreduce", process_set, name, prepare, blocking)

@@ -414,7 +414,9 @@ class Engine:
         if s.lost is not None:
             self._done(op, None, [], HorovodInternalError(str(s.lost)))
             return
-        request = op.request = op.request._replace(epoch=self.epoch)
+        request = op.request
+        if request.epoch != self.epoch:
+            request = op.request = request._replace(epoch=self.epoch)
         if request.kind == "join":
             for other in self._sets.values():
                 if not other.removed and other.id != s.id:

@@ -167,7 +167,8 @@ def factor_arg(what: str, argument: str, value: Any) -> float:
 
 def dtype_name(t: torch.Tensor) -> str:
     """``float32`` for ``torch.float32``, and so on."""
-    return str(t.dtype).replace("torch.", "")
+    name = _NAMES.get(t.dtype)
+    return name if name is not None else str(t.dtype).replace("torch.", "")
 
 
 def entry(t: torch.Tensor) -> tuple[str, tuple[int, ...]]:
@@ -195,7 +196,11 @@ def writable_view(t: torch.Tensor, op: int) -> np.ndarray | None:
     dtype = _VIEWABLE.get(t.dtype)
     if dtype is None or not t.is_cpu or not t.is_contiguous() or dtype == np.float16 and op not in _HALF_SUMS:
         return None
-    a = interop.view(t.detach() if t.requires_grad else t)
+    own = t.detach() if t.requires_grad else t
+    try:  # a CPU tensor's numpy() shares its memory (the common case, at once); else the core's views
+        a = own.numpy() if type(own) is torch.Tensor else interop.view(own)
+    except RuntimeError:  # a conjugate or negative view: its bits are not its values
+        return None
     if not isinstance(a, np.ndarray) or not a.flags.writeable or a.dtype != dtype:
         return None
     return a.reshape(-1)
@@ -203,6 +208,8 @@ def writable_view(t: torch.Tensor, op: int) -> np.ndarray | None:
 
 #: torch dtypes reduced in their own dtype (float16: under Average and Sum only), and their numpy dtypes.
 _VIEWABLE = {getattr(torch, name): np.dtype(dtype) for name, dtype in NUMPY.items() if name != "bfloat16"}
+#: torch dtypes and their names (``dtype_name``'s answer without building a string per call).
+_NAMES = {getattr(torch, name): name for name in NUMPY}
 #: Operations under which float16 is summed as float16 (Average, Sum).
 _HALF_SUMS = (0, 1)
 
