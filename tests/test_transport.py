@@ -67,11 +67,46 @@ def test_gather_copies_members_both_ways_and_rebuilds_when_they_change(local, dt
             assert g.unpack(buf, members, just_packed)
             np.testing.assert_array_equal(np.concatenate(members), expected)
         kept = g._type
-        assert g.pack(members, buf, epoch)  # once more: the datatype is kept within an epoch only
-        assert (g._type is kept) == (epoch is not None)
+        assert g.pack(members, buf, epoch)  # once more: the datatype is kept (the same epoch, or the same memory)
+        assert g._type is kept
         np.testing.assert_array_equal(buf, np.concatenate(members))
     g.free()
     g.free()  # idempotent
+
+
+def test_gather_without_an_epoch_keeps_its_datatype_for_the_same_memory_only(local):
+    """No epoch: other objects over the same memory reuse the datatype; a member that moves or changes size, or
+    another buffer, rebuilds it; the data is right every time (random floats, compared bit for bit)."""
+    rng = np.random.default_rng(9)
+    g = transport.Gather(local, tag=1)
+    store = rng.standard_normal(300)
+    cuts = [0, 10, 45, 46, 120, 300]
+    buf = np.empty(300)
+
+    def views(base):
+        return [base[a:b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)]  # new view objects each time
+
+    assert g.pack(views(store), buf)
+    kept = g._type
+    for _ in range(3):
+        store[...] = rng.standard_normal(300)
+        assert g.pack(views(store), buf)
+        assert g._type is kept
+        np.testing.assert_array_equal(buf, store)
+        buf[...] = rng.standard_normal(300)
+        assert g.unpack(buf, views(store))
+        np.testing.assert_array_equal(store, buf)
+    moved = views(store)
+    moved[2] = rng.standard_normal(1)  # same size, elsewhere
+    assert g.pack(moved, buf)
+    assert g._type is not kept
+    np.testing.assert_array_equal(buf, np.concatenate(moved))
+    kept = g._type
+    other = np.empty(300)
+    assert g.pack(moved, other)  # the same members into another buffer
+    assert g._type is not kept
+    np.testing.assert_array_equal(other, np.concatenate(moved))
+    g.free()
 
 
 def test_gather_declines_what_it_cannot_address(local):

@@ -66,11 +66,13 @@ class Gather:
 
     An ``hindexed`` datatype over the members' absolute addresses is built
     for each call's members and moved by ``Sendrecv`` on a private duplicate
-    of ``COMM_SELF``; it is kept for the next call only when both calls pass
-    the same *epoch*: the members are then proven the same objects with the
-    same data pointers, shapes and strides (:class:`~.replay.Replay`), so that
-    it still covers their memory. One C call moves many members faster than
-    a numpy copy each (``CHANGELOG.rst``, 0.3.0).
+    of ``COMM_SELF``. It serves the next call too when both calls pass the
+    same *epoch*: the members are then proven the same objects with the same
+    data pointers, shapes and strides (:class:`~.replay.Replay`), so that it
+    still covers their memory, and nothing is looked at. Without an epoch it
+    serves a call whose members and buffer lie at the same addresses with the
+    same sizes: a datatype is no more than those. One C call moves many
+    members faster than a numpy copy each (``CHANGELOG.rst``, 0.3.0).
 
     Args:
         local: a duplicate of ``COMM_SELF`` for the reducer's local copies.
@@ -81,6 +83,7 @@ class Gather:
         self._local, self._tag = local, tag % 32768
         self._epoch: int | None = None
         self._type: MPI.Datatype | None = None
+        self._key: tuple[Any, ...] = ()  # the buffer's and members' addresses and sizes that _type covers
 
     def pack(self, members: Sequence[Any], buffer: np.ndarray, epoch: int | None = None) -> bool:
         """Copy ``members`` (in order, back to back) into ``buffer``; False (nothing done) when they cannot be.
@@ -110,20 +113,26 @@ class Gather:
         """Release the datatype (it is rebuilt when needed)."""
         if self._type is not None:
             self._type.Free()
-        self._type, self._epoch = None, None
+        self._type, self._epoch, self._key = None, None, ()
 
     def _datatype(self, members: Sequence[Any], buffer: np.ndarray, epoch: int | None) -> MPI.Datatype | None:
         """The datatype over ``members``, or None unless they are C-contiguous numpy arrays filling ``buffer``."""
         if epoch is not None and epoch == self._epoch:
             return self._type  # the same arrays, where they were (None: they cannot be gathered)
-        self.free()
-        self._epoch = epoch
         if not all(type(g) is np.ndarray and g.flags.c_contiguous for g in members):
+            self.free()
             return None
         sizes = [g.nbytes for g in members]
+        addresses = [MPI.Get_address(g) for g in members]
+        key = (MPI.Get_address(buffer), buffer.nbytes, addresses, sizes)
+        if epoch is None and self._type is not None and key == self._key:
+            return self._type  # the same memory as the last call's (whichever objects)
+        self.free()
+        self._epoch = epoch
         if sum(sizes) != buffer.nbytes or any(g.base is not None and np.may_share_memory(g, buffer) for g in members):
             return None  # a member that lies in the buffer itself is copied by numpy
-        self._type = MPI.BYTE.Create_hindexed(sizes, [MPI.Get_address(g) for g in members]).Commit()
+        self._type = MPI.BYTE.Create_hindexed(sizes, addresses).Commit()
+        self._key = key
         return self._type
 
 

@@ -227,9 +227,9 @@ def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], thre
         items: the operations, in the coordinator's order.
         threshold: ``HOROVOD_FUSION_THRESHOLD`` (0: every tensor alone).
         scratch: the process set's fusion buffers by wire dtype.
-        gather: copies a fusion buffer back into its members in one MPI call (the core's
-            :class:`~mpi_gradreducer._core.transport.Gather`; None: numpy copies). They are packed by one
-            ``np.concatenate``.
+        gather: copies a fusion buffer's members into it and back in one MPI call each (the core's
+            :class:`~mpi_gradreducer._core.transport.Gather`, whose datatype serves the next call on the
+            same memory; None: numpy copies).
     """
     ref = items[0][0].reference()
     op, (pre, post) = ref.op, ref.factors
@@ -281,12 +281,17 @@ def _reduce(summers: Summers, bucket: list[tuple[np.ndarray | None, int]], wire:
         held = scratch[wire] = np.empty(total, dtype=wire)
     buf = held[:total]
     arrays = [array for array, _ in bucket if array is not None]
-    if len(arrays) == len(bucket):  # packed in one numpy call, unpacked in one MPI call where it can
-        np.concatenate(arrays, out=buf)
+    if len(arrays) == len(bucket):  # packed and unpacked in one MPI call each where it can, else numpy's
+        packed = gather is not None and gather.pack(arrays, buf)
+        if not packed:
+            np.concatenate(arrays, out=buf)
         _prescale(buf, pre)
         _sum(summers, buf, op, post, size)
-        if gather is None or not gather.unpack(buf, arrays):
+        if not packed:
             _unpack(buf, bucket)
+        else:
+            assert gather is not None
+            gather.unpack(buf, arrays, just_packed=True)
         return
     at = 0
     for array, count in bucket:
