@@ -132,6 +132,49 @@ def test_many_in_place_async_allreduces_under_a_fusion_threshold(torch, threshol
 
 
 @pytest.mark.mpi
+def test_grouped_in_place_calls_on_the_same_tensors_stay_right_when_the_tensors_change(torch):
+    """The views of a grouped call's tensors are kept while the tensors are unchanged (horovod/views.py): each
+    call is checked against the sum of every rank's random data, also after a tensor gets new memory, a new
+    shape or another dtype, and after the list changes; and a list of the same tensors is recognised."""
+    import mpi_gradreducer.horovod as hvd
+
+    hvd.init()
+    try:
+        gen = torch.Generator().manual_seed(RANK)
+        tensors = [torch.randint(-50, 50, (k % 13 + 1,), generator=gen).float() for k in range(40)]
+
+        def reduce_and_check(ts: list) -> None:
+            before = [t.clone() for t in ts]
+            expected = [sum(WORLD.allgather(b.numpy())) for b in before]  # integer-valued floats: exact sums
+            got = hvd.grouped_allreduce_(ts, name="views.grouped", op=hvd.Sum)
+            assert len(got) == len(ts) and all(a is b for a, b in zip(got, ts, strict=True))
+            for k, (t, e) in enumerate(zip(ts, expected, strict=True)):
+                assert np.array_equal(t.numpy(), e), k
+                t.copy_(torch.randint(-50, 50, t.shape, generator=gen, dtype=t.dtype))
+
+        for _ in range(4):  # the third call on finds the views kept
+            reduce_and_check(tensors)
+        reduce_and_check(list(tensors))  # another list, the same tensors
+        tensors[3].data = torch.randint(-50, 50, (tensors[3].numel(),), generator=gen).float()  # new memory
+        reduce_and_check(tensors)
+        reduce_and_check(tensors)
+        tensors[7].data = torch.ones(tensors[7].numel() + 5)  # a new shape
+        reduce_and_check(tensors)
+        tensors[8].data = tensors[8].data.view(1, -1)  # the same memory, another shape
+        reduce_and_check(tensors)
+        tensors[9].data = tensors[9].data.double()  # another dtype
+        for _ in range(3):
+            reduce_and_check(tensors)
+        tensors[11], tensors[12] = tensors[12], tensors[11]  # the list changes
+        reduce_and_check(tensors)
+        tensors.append(torch.ones(3))
+        for _ in range(3):
+            reduce_and_check(tensors)
+    finally:
+        hvd.shutdown()
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("threshold", ["0", "5000", "134217728"])
 def test_a_broadcast_of_many_tensors_travels_packed_and_every_rank_gets_the_root_s_bits(torch, threshold,
                                                                                           monkeypatch):

@@ -38,6 +38,7 @@ from .submit import (
     entry,
     factor_arg,
     from_bytes,
+    host_views,
     numeric,
     raw_bytes,
     set_of,
@@ -122,32 +123,43 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
                    factor_arg(what, "postscale_factor", postscale_factor))
         if not (isinstance(compression, type) and issubclass(compression, Compressor)):
             raise TypeError(f"{what}: compression: expected Compression.none or Compression.fp16, got {compression!r}")
-        given = [tensor_arg(what, tensors)] if single else tensors_arg(what, tensors)
         code, plain = int(reduce_op), compression is Compression.none
-        sent, contexts, arrays, own, entries = [], [], [], [], []
-        for i, t in enumerate(given):  # one pass: per tensor, what travels, its array and its entry
-            c, ctx = (t, None) if plain else compression.compress(t)
-            if c.dtype not in _REDUCIBLE or c.dtype.is_complex and reduce_op in (ReduceOp.Min, ReduceOp.Max):
-                raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
-            mine = writable_view(c, code) if inplace and c is t else None  # reduced where it lies
-            sent.append(c)
-            contexts.append(ctx)
-            own.append(mine is not None)
-            arrays.append(mine if mine is not None else numeric(c, code))
-            entries.append(entry(c))
+        site = (name, code) if inplace and plain and not single else None  # where the views may be kept
+        recalled = info.views.recall(site, tensors) if site is not None else None
+        arrays = host_views(tensors) if recalled is not None else None
+        if recalled is not None and arrays is not None:  # the last call's tensors here, unchanged: in place
+            given = list(tensors)
+            entries, sent, contexts, own = recalled, given, [None] * len(given), [True] * len(given)
+        else:
+            given = [tensor_arg(what, tensors)] if single else tensors_arg(what, tensors)
+            sent, contexts, arrays, own, listed = [], [], [], [], []
+            for i, t in enumerate(given):  # one pass: per tensor, what travels, its array and its entry
+                c, ctx = (t, None) if plain else compression.compress(t)
+                if c.dtype not in _REDUCIBLE or c.dtype.is_complex and reduce_op in (ReduceOp.Min, ReduceOp.Max):
+                    raise TypeError(f"{what}: tensors[{i}]: {c.dtype} cannot be reduced with op={reduce_op.name}")
+                mine = writable_view(c, code) if inplace and c is t else None  # reduced where it lies
+                sent.append(c)
+                contexts.append(ctx)
+                own.append(mine is not None)
+                arrays.append(mine if mine is not None else numeric(c, code))
+                listed.append(entry(c))
+            entries = tuple(listed)
+            if site is not None and all(own):
+                info.views.remember(site, tensors, entries)
 
         def finish(response: Any, outputs: list[Any]) -> Any:
             if not inplace:
                 out = [compression.decompress(_tensor_of(a, c), ctx)
                        for a, c, ctx in zip(outputs, sent, contexts, strict=True)]
                 return out[0] if single else out
-            with torch.no_grad():
-                for t, a, c, ctx, viewed in zip(given, outputs, sent, contexts, own, strict=True):
-                    if not viewed:
-                        t.copy_(compression.decompress(_tensor_of(a, c), ctx))
+            if not all(own):
+                with torch.no_grad():
+                    for t, a, c, ctx, viewed in zip(given, outputs, sent, contexts, own, strict=True):
+                        if not viewed:
+                            t.copy_(compression.decompress(_tensor_of(a, c), ctx))
             return given[0] if single else given
 
-        fields = {"entries": tuple(entries), "op": code, "factors": factors}
+        fields = {"entries": entries, "op": code, "factors": factors}
         return fields, Local(arrays), finish
 
     return submit(what, "allreduce", process_set, name, prepare, blocking)

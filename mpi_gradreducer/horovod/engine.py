@@ -362,9 +362,11 @@ class Engine:
                             MPI.Request.Waitall(self._sends)  # small messages: sent eagerly, complete at once
                         return
                     jobs, self._inbox = self._inbox, []
-                for job in jobs:
-                    job()
-                if self._progress() or jobs:
+                took = bool(jobs)
+                jobs.reverse()
+                while jobs:  # popped, so that nothing of them (their arrays) outlives them while the thread sleeps
+                    jobs.pop()()
+                if self._progress() or took:
                     continue
                 with self._cond:  # a nap, cut short by a caller that starts to wait (see waiting())
                     if not self._stop and not (self._waiting and self._inbox):

@@ -27,6 +27,7 @@ from .._core.topology import Topology
 from ..elastic import joining
 from .engine import Engine
 from .settings import Settings
+from .views import Views
 
 __all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
            "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
@@ -54,11 +55,13 @@ class SetInfo:
         id: its ``process_set_id`` (0: the global set).
         ranks: its global ranks, in order.
         comm: its communicator on its ranks (a duplicate, owned here); ``MPI.COMM_NULL`` elsewhere.
+        views: the host views of the tensors of this rank's latest in-place grouped allreduces in the set.
     """
 
     id: int
     ranks: tuple[int, ...]
     comm: MPI.Intracomm
+    views: Views = field(default_factory=Views)
 
     @property
     def member(self) -> bool:
