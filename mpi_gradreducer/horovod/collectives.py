@@ -38,7 +38,6 @@ from .submit import (
     entry,
     factor_arg,
     from_bytes,
-    host_views,
     numeric,
     raw_bytes,
     set_of,
@@ -125,11 +124,10 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
             raise TypeError(f"{what}: compression: expected Compression.none or Compression.fp16, got {compression!r}")
         code, plain = int(reduce_op), compression is Compression.none
         site = (name, code) if inplace and plain and not single else None  # where the views may be kept
-        recalled = info.views.recall(site, tensors) if site is not None else None
-        arrays = host_views(tensors) if recalled is not None else None
-        if recalled is not None and arrays is not None:  # the last call's tensors here, unchanged: in place
-            given = list(tensors)
-            entries, sent, contexts, own = recalled, given, [None] * len(given), [True] * len(given)
+        found = info.views.recall(site, tensors) if site is not None else None
+        if found is not None:  # the last call's tensors here, unchanged: each reduced where it lies, as then
+            given, (arrays, entries) = list(tensors), found
+            sent, contexts, own = given, [None] * len(given), [True] * len(given)
         else:
             given = [tensor_arg(what, tensors)] if single else tensors_arg(what, tensors)
             sent, contexts, arrays, own, listed = [], [], [], [], []
@@ -145,7 +143,7 @@ def _allreduce_async(what: str, tensors: Any, average: bool | None, name: Any, o
                 listed.append(entry(c))
             entries = tuple(listed)
             if site is not None and all(own):
-                info.views.remember(site, tensors, entries)
+                info.views.remember(site, tensors, arrays, entries)
 
         def finish(response: Any, outputs: list[Any]) -> Any:
             if not inplace:

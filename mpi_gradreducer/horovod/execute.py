@@ -26,6 +26,7 @@ Data-moving kinds move raw bytes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
@@ -209,7 +210,15 @@ def _prescale(arr: np.ndarray, pre: float) -> None:
 def fused_bytes(response: Response) -> int:
     """The bytes an allreduce response takes in fusion buffers."""
     ref = response.reference()
-    return sum(math.prod(shape) * wire_dtype(dtype, ref.op).itemsize for dtype, shape in ref.entries)
+    return _layout(ref.entries, ref.op)[0]
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(entries: tuple[tuple[str, tuple[int, ...]], ...], op: int) -> tuple[int, tuple[tuple[np.dtype, int], ...]]:
+    """The bytes that tensors of ``entries`` take in fusion buffers under ``op``, and per tensor its wire dtype and
+    element count (kept for the next calls: a step repeats its calls)."""
+    members = tuple((wire_dtype(dtype, op), math.prod(shape)) for dtype, shape in entries)
+    return sum(wire.itemsize * count for wire, count in members), members
 
 
 def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], threshold: int,
@@ -236,11 +245,11 @@ def fused(summers: Summers, items: Sequence[tuple[Response, Local | None]], thre
     outputs: list[list[Any]] = []
     parts: dict[np.dtype, list[tuple[np.ndarray | None, int]]] = {}
     for response, local in items:
-        entries = response.reference().entries
-        outputs.append([None] * len(entries) if local is None else list(local.arrays))
-        for i, (dtype, shape) in enumerate(entries):
-            parts.setdefault(wire_dtype(dtype, op), []).append(
-                (None if local is None else local.arrays[i], math.prod(shape)))
+        layout = _layout(response.reference().entries, op)[1]
+        outputs.append([None] * len(layout) if local is None else list(local.arrays))
+        arrays = [None] * len(layout) if local is None else local.arrays
+        for (wire, count), array in zip(layout, arrays, strict=True):
+            parts.setdefault(wire, []).append((array, count))
     size = summers.comm.Get_size()
     for wire, members in parts.items():
         for bucket in buckets(members, wire.itemsize, threshold):

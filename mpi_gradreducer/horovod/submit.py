@@ -35,7 +35,7 @@ from .negotiation import JOIN, Request, Response
 from .session import SetInfo, current
 
 __all__ = ["Prepared", "submit", "wait", "set_of", "tensor_arg", "tensors_arg", "entry",
-           "numeric", "writable_view", "host_views", "raw_bytes", "from_bytes", "factor_arg", "dtype_name"]
+           "numeric", "writable_view", "raw_bytes", "from_bytes", "factor_arg", "dtype_name"]
 
 #: What ``prepare`` returns: the request's fields (but key, kind, what), this rank's arrays, the result maker.
 Prepared = tuple[dict[str, Any], Local | None, Callable[[Response, list[Any]], Any]]
@@ -204,15 +204,6 @@ def writable_view(t: torch.Tensor, op: int) -> np.ndarray | None:
     if not isinstance(a, np.ndarray) or not a.flags.writeable or a.dtype != dtype:
         return None
     return a.reshape(-1)
-
-
-def host_views(tensors: Sequence[torch.Tensor]) -> list[np.ndarray] | None:
-    """1-D host views of tensors that :func:`writable_view` accepted before and that have not changed since (the
-    proof: :mod:`.views`), one ``numpy()`` each; None when one of them refuses (look at each then)."""
-    try:
-        return [(t.detach() if t.requires_grad else t).numpy().reshape(-1) for t in tensors]
-    except RuntimeError:
-        return None
 
 
 #: torch dtypes reduced in their own dtype (float16: under Average and Sum only), and their numpy dtypes.
