@@ -23,13 +23,13 @@ or CUDA one), queued, and returns an ``MPIWork`` (torch's ``Work``) at once; the
 runs the queue in order: the ranks agree (``_core.agreement``:
 one small ``Allreduce``; a shape, dtype or operation that differs on one
 rank raises the same ``ValueError`` on every rank, naming both ranks), then
-nonblocking MPI calls move the bytes, completed the package's way
-(``_core.polling.Polling``: tests with naps while the
-training thread computes, MPI's own wait while a caller waits). float16 and
+nonblocking MPI calls move the bytes, completed by MPI's own wait (DDP
+waits on the future in C++, where no nap could see it). float16 and
 bfloat16 sums go through the package's 16-bit summer
 (``_core.halves.SliceSum``: float32 sums, rounded once).
 Point-to-point calls are posted at once on a second duplicate and completed
-by a thread of their own.
+by a thread of their own, the package's way (``_core.polling.Polling``:
+tests with naps while no caller waits, MPI's own wait while one does).
 
 Options: ``init_process_group(..., pg_options=mpi_gradreducer.Options(...))``
 (or ``new_group(..., pg_options=...)``) reads ``validate`` (``"never"``:

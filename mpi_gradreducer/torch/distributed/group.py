@@ -88,7 +88,7 @@ class MPIProcessGroup(dist.ProcessGroup):
         assert isinstance(watchdog_timeout, float | int | None) and not isinstance(resolved.stall_warning, str)
         self._watchdog = Watchdog(comm, watchdog_timeout, resolved.stall_warning,
                                   hook=bool(resolved.abort_on_exception))
-        self._engine = _Engine(f"{BACKEND}-collectives")
+        self._engine = _Engine(f"{BACKEND}-collectives", naps=False)
         self._p2p_engine = _Engine(f"{BACKEND}-p2p")
         self._halves: dict[torch.dtype, SliceSum] = {}
         across = Topology.of(comm).hosts > 1

@@ -15,9 +15,11 @@ from mpi4py import MPI
 from ..._core.polling import Polling
 from .basics import BACKEND
 
-#: The communication thread's nap between tests of a request while no caller waits in :meth:`MPIWork.wait`
-#: (DDP waits on the future, in C++, unseen): shorter than the reducer's, since DDP's buckets come one by
-#: one (chosen with ``python -m mpi_gradreducer.bench.torch_ddp``; the runs: CHANGELOG, 0.8.0).
+#: The point-to-point thread's nap between tests of a posted request while no caller waits in
+#: :meth:`MPIWork.wait` (a ``recv`` may wait long for its sender: tests without naps would take a core all that
+#: time). The collectives' thread naps not at all: it waits in MPI's own wait, since DDP waits on the future in
+#: C++, unseen, and a reduction progressed only by tests between naps took DDP 1.4-1.8x the time of the package's
+#: ``DistributedOptimizer`` (``python -m mpi_gradreducer.bench.torch_ddp``; the runs: CHANGELOG, 0.8.0).
 NAP_SECONDS = 50e-6
 
 
@@ -109,11 +111,18 @@ def _unwrap(done: torch.futures.Future[tuple[list[torch.Tensor], BaseException |
 
 
 class _Engine:
-    """One thread that runs a process group's jobs in the order they were queued."""
+    """One thread that runs a process group's jobs in the order they were queued.
 
-    def __init__(self, name: str) -> None:
+    Args:
+        name: the thread's name.
+        naps: its waits test with naps (:data:`NAP_SECONDS`) while no caller waits in :meth:`MPIWork.wait`;
+            False: always MPI's own wait.
+    """
+
+    def __init__(self, name: str, naps: bool = True) -> None:
         self.polling = Polling(NAP_SECONDS)
-        self.polling.computing(True)
+        self.polling.computing(naps)
+        self._naps = naps
         self._waiters = 0
         self._lock = threading.Lock()
         #: The last MPI error a job of this thread raised (a lost rank, a revoked communicator), or None.
@@ -133,7 +142,7 @@ class _Engine:
     def _enter(self, delta: int) -> None:
         with self._lock:
             self._waiters += delta
-            self.polling.computing(self._waiters == 0)
+            self.polling.computing(self._naps and self._waiters == 0)
 
     def close(self, wait: float | None = None) -> None:
         """Stop the thread after the jobs queued (waiting at most ``wait`` seconds; None: for ever)."""
