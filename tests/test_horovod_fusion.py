@@ -131,6 +131,35 @@ def test_many_in_place_async_allreduces_under_a_fusion_threshold(torch, threshol
     assert MPI.Is_initialized()
 
 
+def test_views_are_kept_per_site_once_the_same_tensors_come_twice(torch):
+    """Armed on the second call with the same tensors; another state, another list or too few tensors: looked at
+    again; at most CAPACITY sites, the least recently used forgotten first."""
+    from mpi_gradreducer.horovod.views import CAPACITY, FEW, Views
+
+    views = Views()
+    ts = [torch.zeros(k + 1) for k in range(FEW)]
+    arrays, entries = [t.numpy() for t in ts], tuple(("float32", (k + 1,)) for k in range(FEW))
+    assert views.recall("a", ts) is None
+    views.remember("a", ts, arrays, entries)
+    assert views.recall("a", ts) is None  # seen once: not armed yet
+    views.remember("a", ts, arrays, entries)
+    found = views.recall("a", list(ts))  # another list of the same tensors
+    assert found is not None and found[1] == entries and all(a is b for a, b in zip(found[0], arrays, strict=True))
+    assert views.recall("b", ts) is None  # another site
+    ts[2].requires_grad_(True)
+    assert views.recall("a", ts) is None  # another state
+    ts[2].requires_grad_(False)
+    assert views.recall("a", ts) is not None
+    assert views.recall("a", ts[:-1] + [torch.zeros(FEW)]) is None  # another tensor
+    few = ts[:FEW - 1]
+    views.remember("few", few, arrays[:FEW - 1], entries[:FEW - 1])
+    views.remember("few", few, arrays[:FEW - 1], entries[:FEW - 1])
+    assert views.recall("few", few) is None  # too few to keep
+    for k in range(CAPACITY):  # CAPACITY more sites: "a" is the least recently used and goes
+        views.remember(("site", k), ts, arrays, entries)
+    assert views.recall("a", ts) is None
+
+
 @pytest.mark.mpi
 def test_grouped_in_place_calls_on_the_same_tensors_stay_right_when_the_tensors_change(torch):
     """The views of a grouped call's tensors are kept while the tensors are unchanged (horovod/views.py): each

@@ -11,11 +11,12 @@ dtype, device, ``requires_grad``): the reducer's own proof, armed when the
 same tensors come twice. As the reducer's armed views do, the kept views
 hold their tensors' memory: torch then refuses to ``resize_`` it in place
 (assigning ``.data`` works) until another list takes the site's place, or
-:func:`~.session.shutdown`.
+:func:`~.session.shutdown` drops the sites.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any
@@ -40,38 +41,37 @@ Found = tuple[list[np.ndarray], Entries]
 
 
 class Views:
-    """This rank's views of the tensors of its latest in-place grouped allreduces, per call site (caller's thread)."""
+    """This rank's views of the tensors of its latest in-place grouped allreduces, per call site (any thread)."""
 
     def __init__(self) -> None:
-        self._sites: OrderedDict[Hashable, tuple[Replay, tuple[Any, ...]]] = OrderedDict()
+        self._sites: OrderedDict[Hashable, tuple[Replay, Entries]] = OrderedDict()
+        self._lock = threading.Lock()  # callers on several threads share a process set's sites
 
     def recall(self, site: Hashable, tensors: Any) -> Found | None:
         """What the last call at ``site`` found, when ``tensors`` are its tensors, unchanged; else None."""
-        held = self._sites.get(site)
-        if held is None or not (type(tensors) is list or type(tensors) is tuple) or len(tensors) < FEW:
+        if not (type(tensors) is list or type(tensors) is tuple) or len(tensors) < FEW:
             return None
-        replay, entries = held
-        checked = replay.recall(tensors)
-        if checked is None:
-            return None
-        self._sites.move_to_end(site)
-        return checked.arrays, entries
+        with self._lock:
+            held = self._sites.get(site)
+            if held is None:
+                return None
+            replay, entries = held
+            checked = replay.recall(tensors)
+            if checked is None:
+                return None
+            self._sites.move_to_end(site)
+            return checked.arrays, entries
 
     def remember(self, site: Hashable, tensors: Any, arrays: Sequence[np.ndarray], entries: Entries) -> None:
         """Note what a call at ``site`` found by looking at every tensor (armed when the same tensors come again)."""
         if not (type(tensors) is list or type(tensors) is tuple) or len(tensors) < FEW:
             return
-        held = self._sites.pop(site, None)
-        # Tensors are read through data_ptr() and stride(): the copies of object headers on COMM_SELF that serve
-        # the reducer's numpy arrays are not made here.
-        replay = held[0] if held is not None else Replay(MPI.COMM_SELF, layout=False)
-        replay.remember(tensors, Checked(None, arrays=list(arrays)))
-        self._sites[site] = (replay, entries)
-        while len(self._sites) > CAPACITY:
-            self._sites.popitem(last=False)[1][0].forget()
-
-    def clear(self) -> None:
-        """Forget every call site (its views no longer hold its tensors' memory)."""
-        for replay, _ in self._sites.values():
-            replay.forget()
-        self._sites.clear()
+        with self._lock:
+            held = self._sites.pop(site, None)
+            # Tensors are read through data_ptr() and stride(): the copies of object headers on COMM_SELF that
+            # serve the reducer's numpy arrays are not made here.
+            replay = held[0] if held is not None else Replay(MPI.COMM_SELF, layout=False)
+            replay.remember(tensors, Checked(None, arrays=list(arrays)))
+            self._sites[site] = (replay, entries)
+            while len(self._sites) > CAPACITY:
+                self._sites.popitem(last=False)[1][0].forget()
