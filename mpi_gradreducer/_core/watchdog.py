@@ -139,7 +139,7 @@ class _Guard:
     def run(self) -> None:
         warned: object = None  # the arming already warned about
         inquiry: tuple[object, bool, float] | None = None  # (arming, final, deadline)
-        while not self.stop.wait(self.poll):
+        while not self.stop.wait(self._pause(inquiry)):
             self.inspector.serve(self.report())
             armed = self.armed
             if armed is None or (inquiry is not None and inquiry[0] is not armed):
@@ -162,6 +162,22 @@ class _Guard:
             warning = not inquiry[1]
             inquiry, warned = None, armed
             self._diagnose(armed, waited, warning)
+
+    def _pause(self, inquiry: tuple[object, bool, float] | None) -> float:
+        """Seconds until the next look: the poll, or less where a limit or the inquiry's reply window ends
+        sooner, so that ranks armed together diagnose together (a rank's abort leaves the others
+        :data:`~.abort.ABORT_GRACE` to say theirs)."""
+        now = time.monotonic()
+        pause = self.poll
+        armed = self.armed
+        if armed is not None and armed[3]:
+            waited = now - armed[0]
+            for limit in (self.stall_warning, self.timeout):
+                if limit is not None and limit > waited:
+                    pause = min(pause, limit - waited)
+        if inquiry is not None:
+            pause = min(pause, inquiry[2] - now)
+        return max(pause, 1e-3)
 
     def _diagnose(self, armed: tuple[float, Callable[[], str], int, bool], waited: float, warning: bool) -> None:
         """Print the warning (when ``warning``) and, past the timeout, the final diagnosis, and abort.
