@@ -18,6 +18,7 @@ Commands (as root)::
     cluster.py up --hosts 2 --rate 1gbit          # H hosts, NICs shaped (or --rate none)
     cluster.py up --hosts 2 --slurm               # and Slurm on them: munged, slurmctld, a slurmd per host
     cluster.py run --ppn 2 -- python job.py       # mpiexec across the hosts, P ranks per host
+    cluster.py run --ppn 2 --ranks 4 --names -- CMD   # 4 ranks (room left on the last hosts), hosts by name
     cluster.py run --hosts 2 --ppn 2 -- CMD ...   # up, run, down in one go (down also on failure)
     cluster.py exec 2 -- ip addr                  # one command on host 2
     cluster.py cut 2 / cluster.py restore 2       # host 2's link down (packets dropped) / up again
@@ -93,6 +94,8 @@ HOST_TIMEOUT = 5
 ETC = Path("/etc/netns")
 RATE = re.compile(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit)", re.I)
 NAME = re.compile(r"[a-z][a-z0-9]{0,7}")
+#: A host's name (its namespace's): ``NAME-hN``.
+HOST_NAME = re.compile(r"[a-z][a-z0-9]{0,7}-h\d+")
 UNAVAILABLE = 3
 
 
@@ -321,8 +324,14 @@ class Cluster:
             out[host] = (int(text[0]), int(text[1]))
         return out
 
-    def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher, ft: bool = False) -> list[str]:
-        """The ``mpiexec`` command line that runs ``command`` with ``ppn`` ranks on each host."""
+    def mpiexec(self, ppn: int, command: Sequence[str], launcher: Launcher, ft: bool = False,
+                ranks: int | None = None, names: bool = False) -> list[str]:
+        """The ``mpiexec`` command line that runs ``command`` with ``ppn`` ranks on each host.
+
+        ``ranks`` (at most ``ppn`` per host) fills the hosts in order and leaves the last ones with room to
+        spare; ``names`` gives the launcher the hosts by name (each host's own, ``NAME-hN``) instead of
+        by address, so that the launcher's names are those that ranks see (``MPI.Get_processor_name()``).
+        """
         hosts = self.hosts()
         if not hosts:
             raise ClusterError(f"cluster {self.name!r} is not up; give --hosts, or run `cluster.py up` first")
@@ -335,22 +344,26 @@ class Cluster:
         net = self.subnet()
         assert net is not None  # hosts exist, so does the bridge
         cores = len(os.sched_getaffinity(0))
-        ranks = ppn * len(hosts)
+        if ranks is None:
+            ranks = ppn * len(hosts)
+        if not 1 <= ranks <= ppn * len(hosts):
+            raise ClusterError(f"--ranks: expected 1 to {ppn * len(hosts)} (--ppn times the hosts), got {ranks}", 2)
         share = str(max(1, cores // ranks))
         env = {var: share for var in THREAD_VARIABLES if var not in os.environ}
         env.update(CLUSTER_HOSTS=str(len(hosts)), CLUSTER_PPN=str(ppn))
         network = Network(str(net), NIC, str(net.network_address + BRIDGE_HOST), self.bridge)
-        return launcher.command(list(command), ranks=ranks, hosts=[self.address(h) for h in hosts], ppn=ppn,
+        given = [self.ns(h) if names else self.address(h) for h in hosts]
+        return launcher.command(list(command), ranks=ranks, hosts=given, ppn=ppn,
                                 env=env, oversubscribe=ranks > cores, pin=False, network=network,
                                 agent=str(Path(__file__).resolve()), host_timeout=HOST_TIMEOUT,
                                 fault_tolerance=ft)
 
     def run(self, ppn: int, command: Sequence[str], launcher: Launcher, timeout: float | None,
-            ft: bool = False) -> int:
+            ft: bool = False, ranks: int | None = None, names: bool = False) -> int:
         """Run ``command`` under ``mpiexec`` across the hosts (with ULFM if ``ft``); leave no process behind."""
         from mpi_gradreducer import jobs
 
-        cmd = self.mpiexec(ppn, command, launcher, ft)
+        cmd = self.mpiexec(ppn, command, launcher, ft, ranks, names)
         try:
             with jobs.Job(cmd, env=launcher.environment(), stdout=None, stderr=None) as job:
                 status = job.wait(timeout)
@@ -413,13 +426,15 @@ def kill(pids: list[int]) -> None:
 
 
 def launch(host: str, command: str) -> int:
-    """The launchers' ssh: run ``command`` (a proxy or daemon) on ``host`` (an address), in its namespace.
+    """The launchers' ssh: run ``command`` (a proxy or daemon) on ``host`` (an address or a host's name, ``NAME-hN``),
+    in its namespace.
 
     The command gets a UTS namespace whose host name is the namespace's name.
     """
+    ns = host if HOST_NAME.fullmatch(host) and host in ip("netns", "list").split() else None
     for line in ip("-o", "-4", "addr", "show").splitlines():
         m = re.match(r"\d+: (\S+)-br\s+inet (\S+)", line)
-        if not m:
+        if ns is not None or not m:
             continue
         net = ipaddress.ip_interface(m[2]).network
         try:
@@ -428,9 +443,10 @@ def launch(host: str, command: str) -> int:
             break
         if addr in net:
             ns = f"{m[1]}-h{int(addr) - int(net.network_address)}"
-            os.execvp("ip", ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                             'hostname "$0" && exec sh -c "$1"', ns, command])
-    print(f"cluster.py: no cluster host has address {host!r}", file=sys.stderr)
+    if ns is not None:
+        os.execvp("ip", ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
+                         'hostname "$0" && exec sh -c "$1"', ns, command])
+    print(f"cluster.py: no cluster host has address or name {host!r}", file=sys.stderr)
     return 255
 
 
@@ -654,6 +670,10 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     run.add_argument("--hosts", type=int, help="bring a cluster of this many hosts up first, and down after")
     run.add_argument("--rate", default="none", help="with --hosts: each NIC's send rate")
     run.add_argument("--ppn", type=int, default=1, help="ranks per host")
+    run.add_argument("--ranks", type=int, help="ranks in all (default: --ppn on every host), filling the hosts in "
+                     "order: the last ones keep room for ranks started later (MPI_Comm_spawn)")
+    run.add_argument("--names", action="store_true", help="give mpiexec the hosts by name (NAME-hN, as the ranks "
+                     "see them) instead of by address")
     run.add_argument("--timeout", type=float, help="kill the job after this many seconds (exit status 124)")
     run.add_argument("--ft", action="store_true", help="fault tolerance (ULFM: Open MPI 5's --with-ft ulfm): the "
                      "job survives lost ranks where it is written to")
@@ -702,7 +722,8 @@ def agent_call(argv: Sequence[str]) -> tuple[str, str] | None:
     args = list(argv)
     while args and args[0] in ("-x", "-q", "-T"):  # ssh's options that the launchers pass
         args.pop(0)
-    if len(args) >= 2 and re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", args[0]):  # no subcommand looks so
+    if len(args) >= 2 and (re.fullmatch(r"\d{1,3}(?:\.\d{1,3}){3}", args[0])  # no subcommand looks so
+                           or HOST_NAME.fullmatch(args[0])):
         return args[0], " ".join(args[1:])
     return None
 
@@ -764,13 +785,13 @@ def main(argv: Sequence[str]) -> int:
         return subprocess.call(["ip", "netns", "exec", cluster.ns(cluster.host_number(args.host)), *args.command])
     launcher = find_launcher(args.mpiexec)
     if args.hosts is None:
-        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft, args.ranks, args.names)
     rate = parse_rate(args.rate)
     if not args.command:
         raise ClusterError("run: no command given (cluster.py run --hosts 2 --ppn 2 -- python job.py)", 2)
     cluster.up(args.hosts, rate)
     try:
-        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft)
+        return cluster.run(args.ppn, args.command, launcher, args.timeout, args.ft, args.ranks, args.names)
     finally:
         cluster.down(quiet=True)
 

@@ -122,11 +122,14 @@ class HostCluster:
     def cli(self, *args: str, timeout: float = 120) -> jobs.Finished:
         return cli(self.name, *args, tag=self.tag, timeout=timeout)
 
-    def start(self, *command: str, ppn: int = 2, ft: bool = False) -> None:
-        """Launch ``command`` with ``ppn`` ranks per host (``cluster.py run --timeout LIMIT``; ``--ft`` if ``ft``)."""
+    def start(self, *command: str, ppn: int = 2, ft: bool = False, ranks: int | None = None,
+              names: bool = False) -> None:
+        """Launch ``command`` with ``ppn`` ranks per host (``cluster.py run --timeout LIMIT``; ``--ft`` if ``ft``;
+        ``--ranks`` and ``--names`` if given)."""
         self.timed = []
+        more = [*(["--ft"] if ft else []), *(["--ranks", str(ranks)] if ranks else []), *(["--names"] if names else [])]
         self.job = jobs.Job([sys.executable, str(CLUSTER), "--name", self.name, "run", "--ppn", str(ppn),
-                             "--timeout", str(LIMIT), *(["--ft"] if ft else []), "--", *command],
+                             "--timeout", str(LIMIT), *more, "--", *command],
                             cwd=ROOT, env=job_env(self.tag), on_line=self._arrived)
 
     def _arrived(self, line: str) -> None:

@@ -7,8 +7,15 @@ the window): in the rebuild of the reducer, and in the state's broadcast, as
 its root and as a receiver. In every case the job exits 0, the two ranks
 left end with bit-identical parameters at the last step, no committed step
 is lost, and the survivors named both losses (the second in the numbering
-of the communicator of the moment). Then chaos: a random live process
-killed every few seconds while replacements join (``scripts/bench_elastic.py
+of the communicator of the moment).
+
+Then the windows of growing back, with room for 4 ranks listed: after a
+first loss, a replacement starts; a second process is killed while the
+ranks wait for it in the spawn, in the agreement to take it in, or in the
+merge (a running rank or the new one). In every case the job ends at 4
+ranks with bit-identical parameters, no committed step lost, and no
+process of the job left running. Last, chaos: a random live process killed
+every few seconds while replacements join (``scripts/bench_elastic.py
 chaos``, shorter).
 """
 
@@ -22,7 +29,7 @@ import pytest
 
 from clusters import ROOT
 from elastic_ompi import kill, wait_for
-from test_elastic import check, committed, needs_ompi, phase, pid_of, start
+from test_elastic import alive, check, check_finals, committed, needs_ompi, phase, pid_of, start
 
 pytestmark = pytest.mark.slow
 
@@ -46,6 +53,49 @@ def test_a_second_loss_inside_the_recovery(tmp_path: Path, window: str, option: 
         kill(victim)
         check(out, job, 40, 2, [])
         assert "lost rank 1 of 4" in job.output and named in job.output, job.output[-3000:]
+
+
+def _new_pids(out: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(out.glob("pid.new.*")) if p.read_text().strip()]
+
+
+@needs_ompi
+@pytest.mark.parametrize("window, option, victim", [
+    ("starting", "--slow-start", "running"),  # the running ranks wait in the spawn for the new process to arrive
+    ("agree", "--slow-agree", "running"),  # every spawn returned; the others wait in the agreement to take it in
+    ("grow", "--slow-grow", "running"),  # the others (the new process too) wait in the merge
+    ("grow", "--slow-grow", "new"),  # the new process is killed inside the merge
+], ids=["in-spawn", "in-agreement", "in-merge-running", "in-merge-new"])
+def test_a_loss_while_a_replacement_joins(tmp_path: Path, window: str, option: str, victim: str) -> None:
+    """Rank 2 is lost with room for 4; while its replacement joins, a second process is SIGKILLed inside the named
+    window (rank 1, or the new process). The others go on, new replacements fill the room, and the job ends at 4
+    ranks with the same parameters everywhere, no committed step lost, and nothing of it left running."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:4\n")
+    held = "-1" if window == "starting" else "1"  # the original rank that the window holds
+    extra = [option, "6" if window == "starting" else held]
+    out, job = start(tmp_path, "--steps", "1000", *extra, env={"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(hosts)})
+    with job:
+        first, held_pid = pid_of(out, 2), pid_of(out, 1)
+        wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
+        kill(first)
+        new = wait_for(lambda: _new_pids(out), 120, "a replacement", job)[0]
+        where = new if window == "starting" else held_pid
+        wait_for(lambda: (phase(out, where) or ("", 0))[0] == window, 120, f"the {window} window", job)
+        time.sleep(0.5)  # the others wait inside the window
+        second = new if victim == "new" else held_pid
+        kill(second)
+        rc = job.wait(180)
+    # Open MPI's status is 137 once a replacement was killed, or ended itself after a failed join (docs/elastic.rst,
+    # Limits): every rank finished all the same
+    assert rc in (0, 137), f"exit status {rc}:\n{job.output[-6000:]}"
+    logs = check_finals(out, 1000, 4, [2], job.output)
+    assert second not in logs and first not in logs
+    if victim == "running":
+        assert new not in logs, "the replacement that was joining finished, though its join failed"
+    everyone = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
+    assert not [pid for pid in everyone if alive(pid)], "processes of the job still run after it ended"
+    assert len([p for p in logs if p in _new_pids(out)]) >= 1, "no replacement finished"
 
 
 @needs_ompi

@@ -12,11 +12,11 @@ of the survivors, collectively, even while more processes fail.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from mpi4py import MPI
 
-__all__ = ["failed_meanwhile", "lost_ranks", "returning", "revoke", "shrink"]
+__all__ = ["complete", "failed_meanwhile", "lost_ranks", "returning", "revoke", "shrink"]
 
 #: Seconds :func:`failed_meanwhile` waits for the failure detector to report a process lost.
 DETECTION_SECONDS = 5.0
@@ -37,6 +37,42 @@ def revoke(comms: Iterable[MPI.Comm]) -> None:
                 comm.Revoke()
         except MPI.Exception:
             pass
+
+
+def complete(requests: Sequence[MPI.Request], seconds: float, what: str, watched: Sequence[MPI.Comm] = ()) -> None:
+    """Wait for nonblocking operations that a lost process may keep from completing, within ``seconds``.
+
+    Every few milliseconds it tests ``requests``; when a communicator of
+    ``watched`` knows of a failed process, it revokes them all, which ends
+    the operations with ``MPI_ERR_REVOKED`` here and on every other process
+    that waits on them (Open MPI 5.0.11 does not end some waits on a lost
+    process by itself, among them those of processes of another job).
+
+    Raises:
+        MPI.Exception: an operation failed (a process lost, a communicator revoked).
+        TimeoutError: they did not complete within ``seconds`` (``watched`` is revoked then); the
+            message says ``what`` was waited for.
+    """
+    deadline = time.monotonic() + seconds
+    while not all([r.Test() for r in requests]):  # each one, for its own error (Testall has MPI_ERR_IN_STATUS)
+        if any(_knows_failed(c) for c in watched):
+            revoke(watched)
+        if time.monotonic() > deadline:
+            revoke(watched)
+            raise TimeoutError(f"{what} within {seconds:g} s")
+        time.sleep(0.005)
+
+
+def _knows_failed(comm: MPI.Comm) -> bool:
+    """Whether this process knows of a failed process of ``comm`` (local; False where it cannot tell)."""
+    try:
+        group = comm.Get_failed()
+    except (MPI.Exception, NotImplementedError, AttributeError):
+        return False
+    try:
+        return group.Get_size() > 0
+    finally:
+        group.Free()
 
 
 def shrink(comm: MPI.Intracomm) -> MPI.Intracomm:
@@ -63,12 +99,8 @@ def failed_meanwhile(exc: BaseException, comm: MPI.Comm, within: float = DETECTI
         return False
     deadline = time.monotonic() + within
     while True:
-        group = comm.Get_failed()
-        try:
-            if group.Get_size() > 0:
-                return True
-        finally:
-            group.Free()
+        if _knows_failed(comm):
+            return True
         if time.monotonic() > deadline:
             return False
         time.sleep(0.05)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["DISCOVERY_ENV", "HOSTFILE_ENV", "SLOTS_ENV", "Discovery", "leaving", "parse_hosts", "placement"]
@@ -144,19 +144,22 @@ class Discovery:
         return parse_hosts(done.stdout, self.slots, self.describe())
 
 
-def placement(hosts: Mapping[str, int], running: Sequence[str], wanted: int) -> list[str]:
+def placement(hosts: Mapping[str, int], running: Sequence[str], wanted: int, last: Collection[str] = ()) -> list[str]:
     """The hosts of up to ``wanted`` new ranks, one entry a rank: free slots in the order listed.
 
     Args:
         hosts: the hosts listed and their slots.
         running: the host of every rank running now.
         wanted: how many new ranks are wanted at most.
+        last: hosts whose free slots come after every other host's (those that lost ranks: a host that
+            failed may fail again, as Horovod's blacklist assumes; they still serve when nothing else is free).
     """
     busy: dict[str, int] = {}
     for host in running:
         busy[host] = busy.get(host, 0) + 1
     places: list[str] = []
-    for host, slots in hosts.items():
+    for host in [h for h in hosts if h not in last] + [h for h in hosts if h in last]:
+        slots = hosts[host]
         free = max(0, slots - busy.get(host, 0))
         places += [host] * min(free, wanted - len(places))
     return places

@@ -124,6 +124,7 @@ class World:
         self._pending: tuple[MPI.Request, np.ndarray, bool, np.ndarray] | None = None
         self._failed_spawns = 0
         self._running: list[str] | None = None  # the host of every rank of comm, once asked
+        self._lost_on: set[str] = set()  # the hosts that lost ranks (known where _running was): placed last
         self._leaving: list[int] | None = None  # the ranks that a drain lets go, between the verdict and update()
         self._said_no_drain = False
         self._joined = False
@@ -184,11 +185,14 @@ class World:
             # tells the running ranks that this process is here (see _Spawner._spawn); nonblocking as theirs is:
             # MPI matches a nonblocking collective only with nonblocking ones
             parent.Ibarrier().Wait()
+            _meet(parent, self.comm, self.settings.join_timeout)
             merged = parent.Merge(high=True)
             parent.Free()  # as the running ranks free their side: MPI_Finalize then disconnects the same communicators
         except MPI.Exception as exc:
             raise JoinFailed(f"this new process could not join the running ranks ({exc.Get_error_string()})") \
                 from exc
+        except TimeoutError as exc:
+            raise JoinFailed(f"this new process could not join the running ranks ({exc})") from exc
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
         self.rebuild()
         return True
@@ -219,6 +223,8 @@ class World:
         old = self.comm
         new = _ulfm.shrink(old)
         lost = RanksLost(_ulfm.lost_ranks(old, new), old.Get_size(), new.Get_size(), where)
+        if self._running is not None and len(self._running) == old.Get_size():
+            self._lost_on.update(self._running[r] for r in lost.ranks)
         self.shrunk = lost
         self._replace(new)
         if self.comm.Get_size() < self.settings.min_size:
@@ -265,8 +271,13 @@ class World:
         self._guard_exit()
         spawner, self._spawner = self._spawner, None
         assert spawner is not None and spawner.inter is not None and spawner.ready
-        merged = spawner.inter.Merge(high=False)
-        spawner.free()
+        try:
+            _meet(spawner.inter, self.comm, self.settings.join_timeout)
+            merged = spawner.inter.Merge(high=False)
+        except TimeoutError as exc:  # a new process died: a failure that only this wait saw
+            raise RanksLost([], self.comm.Get_size(), self.comm.Get_size(), str(exc)) from exc
+        finally:
+            spawner.free()
         self._replace(_ulfm.returning(merged))  # type: ignore[arg-type]
 
     def check_host_updates(self) -> None:
@@ -407,7 +418,7 @@ class World:
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
         if want <= 0:
             return
-        places = placement(hosts, self._hosts_here(), want)
+        places = placement(hosts, self._hosts_here(), want, self._lost_on)
         if places:
             self._spawner = _Spawner(self.comm, places, self.settings.join_timeout)
 
@@ -443,7 +454,7 @@ class World:
             hosts = (_safe_hosts(settings.discovery) or {}) if self.comm.Get_rank() == 0 else None
             hosts = self.comm.bcast(hosts)
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
-            places = placement(hosts, self._hosts_here(), want) if want > 0 else []
+            places = placement(hosts, self._hosts_here(), want, self._lost_on) if want > 0 else []
             if places:
                 spawner = _Spawner(self.comm, places, settings.join_timeout, background=False)
                 if spawner.ready:
@@ -477,6 +488,27 @@ def joining(comm: MPI.Intracomm) -> tuple[int, int] | None:
         return None
     running = parent.Get_remote_size()
     return running + comm.Get_size(), running + comm.Get_rank()
+
+
+def _meet(inter: MPI.Intercomm, comm: MPI.Intracomm, seconds: float) -> None:
+    """Both sides of a merge meet before it (collective over ``inter`` and ``comm``, this side's own): no process
+    enters the merge before every other one is there, alive.
+
+    Open MPI 5.0.11's ``Intercomm_merge`` waits for good when a process of
+    either side dies before entering it, revoked communicators or not.
+    These nonblocking barriers, one over each side (a barrier over an
+    intercommunicator only waits for the other side) and one across, end
+    instead, on every process, with an error (a failure known on either
+    side revokes both communicators) or after ``seconds``. A process that
+    dies inside the merge itself is not survived.
+
+    Raises:
+        MPI.Exception: a process was lost (or the communicators revoked).
+        TimeoutError: the other side did not come within ``seconds`` (a new process's death is not reported to
+            the running ranks, nor theirs always to it).
+    """
+    _ulfm.complete([comm.Ibarrier(), inter.Ibarrier()], seconds, "the two sides of the merge did not meet",
+                   watched=[inter, comm])
 
 
 def _finalize_within(tracked: list[Rebuildable], seconds: float) -> None:
@@ -593,13 +625,7 @@ class _Spawner:
             # so that the merge at the next commit waits for no one. A new process killed meanwhile never
             # arrives, and its loss does not reach this side: past the join timeout the start failed (the
             # failure then revokes the communicators, which ends the barrier of any that did arrive).
-            arrived = inter.Ibarrier()
-            deadline = time.monotonic() + self.join_timeout
-            while not arrived.Test():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"the new process(es) did not reach the run loop within "
-                                       f"{self.join_timeout:g} s ({JOIN_TIMEOUT_ENV})")
-                time.sleep(0.02)
+            _ulfm.complete([inter.Ibarrier()], self.join_timeout, "the new process(es) did not reach the run loop")
         except BaseException as exc:  # reported by check_host_updates on every rank
             self.error = exc
         finally:

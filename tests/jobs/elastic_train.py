@@ -17,7 +17,7 @@ What the test reads, all under ``--out``:
 - ``at.PID``: the phase this process is in now, ``PHASE STEP`` (``reduce``
   just before the reducer call, ``commit`` just before the commit, ``sync``
   at the start of a sync after a failure), rewritten at each phase;
-- ``log.PID``: one line per event: ``start SIZE RANK``, ``commit S TIME``, ``resume S SIZE TIME``
+- ``log.PID``: one line per event: ``start SIZE RANK``, ``host NAME``, ``commit S TIME``, ``resume S SIZE TIME``
   (after a change of ranks, with the step it goes on from), ``failure TEXT``
   (``TIME``: ``time.time()``);
 - ``final.PID.npy``: the parameters at the end, with ``final.PID.txt``
@@ -35,6 +35,17 @@ inside the broadcast).
 ``--slow-rebuild RANK``: after the first failure, that original rank sleeps
 in the rebuild of the first object the world rebuilds (phase ``rebuild``; the
 others wait for it in the reducer's rebuild, inside the recovery).
+``--slow-start SECONDS``: the first replacement sleeps that long before it
+enters the run loop (phase ``starting``; the running ranks wait for it in the
+spawn, which is done only when every new process has arrived).
+``--slow-grow RANK``: when a commit of that original rank raises the interrupt
+that takes new ranks in, it sleeps before the run loop handles it (phase
+``grow``; the others, running and new, wait for it in the merge).
+``--slow-agree RANK``: that original rank sleeps at the start of the growth's
+agreement, once every rank's spawn has returned (phase ``agree``; the others
+wait for it in that agreement's reduction). This one wraps a private step of
+:class:`mpi_gradreducer.elastic.World` (``_finish_spawn``): the window is a
+single reduction between two commits, reached from nowhere else.
 ``kill -USR1`` on a rank prints its threads' stacks (to look at a hang).
 """
 
@@ -75,9 +86,13 @@ def main() -> None:
     parser.add_argument("--slow-sync", type=int, default=-1)
     parser.add_argument("--slow-bcast", type=int, default=-1)
     parser.add_argument("--slow-rebuild", type=int, default=-1)
+    parser.add_argument("--slow-start", type=float, default=0.0)
+    parser.add_argument("--slow-grow", type=int, default=-1)
+    parser.add_argument("--slow-agree", type=int, default=-1)
     parser.add_argument("--progress", default="deferred")
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--min-size", type=int, default=None)
+    parser.add_argument("--max-size", type=int, default=None)
     parser.add_argument("--hostfile", default="", help="the host file of the job's room (default: the environment)")
     parser.add_argument("--save-resume", action="store_true")
     parser.add_argument("--load", default="")
@@ -139,12 +154,22 @@ def main() -> None:
         def rebuild(self, comm: MPI.Intracomm) -> None:
             pause("rebuild", args.slow_rebuild, state.step)
 
+    if args.slow_agree >= 0:
+        finish_spawn = elastic.World._finish_spawn
+
+        def agree_slowly(world: elastic.World) -> None:
+            pause("agree", args.slow_agree, state.step)
+            finish_spawn(world)
+
+        elastic.World._finish_spawn = agree_slowly  # type: ignore[method-assign]
+
     state = Tracked(params, step=step0)
     reducer = DistributedGradReducer(params, group=state.comm, deterministic=True, progress=args.progress,
                                      timeout=args.timeout if args.timeout else "env")
     state.world.track(Pause())
     state.world.track(reducer)
     log.write(f"start {state.size} {state.rank}\n")  # a replacement: the world it joins, before it has joined
+    log.write(f"host {MPI.Get_processor_name()}\n")
     resumed: list[int] = []
 
     def on_reset() -> None:
@@ -156,8 +181,18 @@ def main() -> None:
         resumed.append(state.step)
 
     state.register_reset_callbacks([on_reset])
+    if new and args.slow_start > 0:
+        try:  # the first replacement only: the file is made once
+            (out / "slow-start").open("x").close()
+        except FileExistsError:
+            pass
+        else:
+            at("starting", state.step)
+            time.sleep(args.slow_start)
 
-    @elastic.run(min_size=args.min_size, discovery=elastic.Discovery(hostfile=args.hostfile) if args.hostfile else None)
+    discovery = elastic.Discovery(hostfile=args.hostfile) if args.hostfile else None
+
+    @elastic.run(min_size=args.min_size, max_size=args.max_size, discovery=discovery)
     def train(state: Tracked) -> None:
         grads = [np.empty_like(p) for p in params]
         while state.step < args.steps:
@@ -177,7 +212,11 @@ def main() -> None:
             time.sleep(args.step_seconds)
             state.step += 1
             at("commit", state.step)
-            state.commit()
+            try:
+                state.commit()
+            except elastic.HostsUpdated:
+                pause("grow", args.slow_grow, state.step)
+                raise
             log.write(f"commit {state.step} {time.time():.6f}\n")
 
     train(state)
