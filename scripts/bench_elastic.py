@@ -165,23 +165,24 @@ def _after_kill(replace: bool) -> float:
             os.kill(int((out / "pid.2").read_text()), signal.SIGKILL)
             if job.finish(180).timed_out:
                 raise RuntimeError(f"the job did not end within 180 s of the kill:\n{job.stdout[-3000:]}")
-        firsts = []
-        for log in out.glob("log.*"):
-            pid = log.name.split(".")[1]
-            new = (out / f"pid.new.{pid}").exists()
-            if replace != new:
-                continue
-            resumed = False  # the first step completed after the first resume that followed the kill
-            for line in log.read_text().splitlines():
-                words = line.split()
-                if words[0] == "resume" and float(words[3]) > killed:
-                    resumed = True
-                elif words[0] == "commit" and resumed:
-                    firsts.append(float(words[2]) - killed)
-                    break
+        firsts = [t for log in out.glob("log.*")
+                  if replace == (out / f"pid.new.{log.name.split('.')[1]}").exists()
+                  and (t := _first_step_after(log, killed)) is not None]
         if not firsts:
             raise RuntimeError("no step completed after the kill")
         return min(firsts)
+
+
+def _first_step_after(log: Path, since: float) -> float | None:
+    """Seconds from ``since`` (``time.time()``) to the first step that a process completed after its first resume
+    that followed ``since``, from its log; None when there is none."""
+    resumed = False
+    for words in (line.split() for line in log.read_text().splitlines()):
+        if words and words[0] == "resume" and float(words[3]) > since:
+            resumed = True
+        elif words and words[0] == "commit" and resumed:
+            return float(words[2]) - since
+    return None
 
 
 def _after_stop(detect: str, wait: float = 30.0) -> tuple[float | None, float, int]:
@@ -202,14 +203,8 @@ def _after_stop(detect: str, wait: float = 30.0) -> tuple[float | None, float, i
             os.kill(victim, signal.SIGSTOP)
 
             def resumed() -> float | None:
-                for log in out.glob("log.*"):
-                    seen = False
-                    for words in (line.split() for line in log.read_text().splitlines()):
-                        if words and words[0] == "resume" and float(words[3]) > stopped:
-                            seen = True
-                        elif words and words[0] == "commit" and seen:
-                            return float(words[2]) - stopped
-                return None
+                return next((t for log in out.glob("log.*") if (t := _first_step_after(log, stopped)) is not None),
+                            None)
 
             while (first := resumed()) is None and time.time() < stopped + wait and job.poll() is None:
                 time.sleep(0.05)
@@ -390,10 +385,16 @@ def main() -> None:
     if sys.argv[1:2] == ["detect"]:
         bench_detect(sys.argv[2:])
         return
-    which = sys.argv[1:] or ["commit", "step", "recovery", "replacement"]
+    benches = {"commit": bench_commit, "step": bench_step, "recovery": bench_recovery,
+               "replacement": lambda: bench_recovery(True)}
+    which = sys.argv[1:] or list(benches)
+    unknown = [name for name in which if name not in benches]
+    if unknown:
+        print(f"usage: bench_elastic.py [{' '.join(benches)} ...] | chaos ... | detect ...; "
+              f"got {' '.join(unknown)!r} (see the module's docstring)", file=sys.stderr)
+        sys.exit(2)
     for name in which:
-        {"commit": bench_commit, "step": bench_step, "recovery": bench_recovery,
-         "replacement": lambda: bench_recovery(True)}[name]()
+        benches[name]()
 
 
 if __name__ == "__main__":

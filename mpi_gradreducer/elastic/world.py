@@ -400,11 +400,11 @@ class World:
         """Raise the interrupt on every rank to let ``ranks`` go, unless too few would be left (collective
         verdict: every rank decides the same)."""
         left = self.comm.Get_size() - len(ranks)
-        if left < max(1, self.settings.min_size):
+        if left < self.settings.min_size:
             if self.comm.Get_rank() == 0 and not self._said_no_drain:
                 sys.stderr.write(f"mpi_gradreducer.elastic: {self.settings.discovery.describe()} no longer lists "
                                  f"the host of rank(s) {_listed(ranks)}; they go on training: draining them would "
-                                 f"leave {left}, fewer than min_size={max(1, self.settings.min_size)}\n")
+                                 f"leave {left}, fewer than min_size={self.settings.min_size}\n")
                 self._said_no_drain = True
             return
         self._leaving = ranks
