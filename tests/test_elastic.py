@@ -324,8 +324,12 @@ def test_below_min_size_ends_with_a_clear_message(tmp_path: Path) -> None:
         t0 = time.monotonic()
         kill(victim)
         rc = job.wait(90)
-        assert rc != 0, f"exit 0: the job went on after rank 3's loss\n{job.output[-3000:]}\n" + "".join(
-            f"--- {p.name}\n{p.read_text()[-600:]}" for p in sorted(out.glob("log.*")))
+        # the survivors end it with MPI_Abort(1); Open MPI 5.0.11's mpiexec was seen to exit 0 all the same after the
+        # lost rank (twice in about fifteen runs, the abort notice in its output): the abort is what the package does
+        assert rc != 0 or "MPI_ABORT was invoked" in job.output, \
+            f"exit 0: the job went on after rank 3's loss\n{job.output[-3000:]}\n" + "".join(
+                f"--- {p.name}\n{p.read_text()[-600:]}" for p in sorted(out.glob("log.*")))
+        assert not list(out.glob("final.*")), "a survivor trained on below min_size"
         assert "fewer than min_size=4" in job.output and "within 3 s" in job.output, job.output[-3000:]
         assert time.monotonic() - t0 < 60
 
