@@ -431,23 +431,25 @@ def launch(host: str, command: str) -> int:
 
     The command gets a UTS namespace whose host name is the namespace's name.
     """
-    ns = host if HOST_NAME.fullmatch(host) and host in ip("netns", "list").split() else None
+    ns = host if HOST_NAME.fullmatch(host) and host in ip("netns", "list").split() else _namespace_at(host)
+    if ns is None:
+        print(f"cluster.py: no cluster host has address or name {host!r}", file=sys.stderr)
+        return 255
+    os.execvp("ip", ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", 'hostname "$0" && exec sh -c "$1"',
+                     ns, command])
+
+
+def _namespace_at(address: str) -> str | None:
+    """The namespace of the cluster host with ``address`` (found by the clusters' bridges), or None."""
+    try:
+        addr = ipaddress.ip_address(address)
+    except ValueError:
+        return None
     for line in ip("-o", "-4", "addr", "show").splitlines():
         m = re.match(r"\d+: (\S+)-br\s+inet (\S+)", line)
-        if ns is not None or not m:
-            continue
-        net = ipaddress.ip_interface(m[2]).network
-        try:
-            addr = ipaddress.ip_address(host)
-        except ValueError:
-            break
-        if addr in net:
-            ns = f"{m[1]}-h{int(addr) - int(net.network_address)}"
-    if ns is not None:
-        os.execvp("ip", ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c",
-                         'hostname "$0" && exec sh -c "$1"', ns, command])
-    print(f"cluster.py: no cluster host has address or name {host!r}", file=sys.stderr)
-    return 255
+        if m and addr in (net := ipaddress.ip_interface(m[2]).network):
+            return f"{m[1]}-h{int(addr) - int(net.network_address)}"
+    return None
 
 
 # -- Slurm on the cluster's hosts -----------------------------------------------------------------------------

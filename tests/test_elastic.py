@@ -95,10 +95,14 @@ def _launcher_only(out: Path, size: int) -> None:
     once: ``prterun`` waits on although each rank has exited (or is a zombie
     it has not reaped). Anything else (a rank still running) is a failure.
     """
-    pids = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
-    running = [pid for pid in pids if alive(pid)]
+    running = [pid for pid in pids(out) if alive(pid)]
     if len(list(out.glob("final.*.npy"))) == size and not running:
         pytest.xfail("every rank had ended, but Open MPI's launcher (prterun 5.0.11) did not exit")
+
+
+def pids(out: Path, pattern: str = "pid.*") -> list[int]:
+    """The process ids the job wrote (``pid.R``, and ``pid.new.PID`` for replacements; ``pattern`` picks)."""
+    return [int(p.read_text()) for p in sorted(out.glob(pattern)) if p.read_text().strip()]
 
 
 def alive(pid: int) -> bool:

@@ -29,7 +29,7 @@ import pytest
 
 from clusters import ROOT
 from elastic_ompi import kill, wait_for
-from test_elastic import alive, check, check_finals, committed, needs_ompi, phase, pid_of, start
+from test_elastic import alive, check, check_finals, committed, needs_ompi, phase, pid_of, pids, start
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +55,6 @@ def test_a_second_loss_inside_the_recovery(tmp_path: Path, window: str, option: 
         assert "lost rank 1 of 4" in job.output and named in job.output, job.output[-3000:]
 
 
-def _new_pids(out: Path) -> list[int]:
-    return [int(p.read_text()) for p in sorted(out.glob("pid.new.*")) if p.read_text().strip()]
-
-
 @needs_ompi
 @pytest.mark.parametrize("window, option, victim", [
     ("starting", "--slow-start", "running"),  # the running ranks wait in the spawn for the new process to arrive
@@ -72,14 +68,13 @@ def test_a_loss_while_a_replacement_joins(tmp_path: Path, window: str, option: s
     ranks with the same parameters everywhere, no committed step lost, and nothing of it left running."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:4\n")
-    held = "-1" if window == "starting" else "1"  # the original rank that the window holds
-    extra = [option, "6" if window == "starting" else held]
-    out, job = start(tmp_path, "--steps", "1000", *extra, env={"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(hosts)})
+    value = "6" if window == "starting" else "1"  # the seconds the first replacement sleeps, or the rank held
+    out, job = start(tmp_path, "--steps", "1000", option, value, env={"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(hosts)})
     with job:
         first, held_pid = pid_of(out, 2), pid_of(out, 1)
         wait_for(lambda: committed(out, 10), 180, "step 10's commit", job)
         kill(first)
-        new = wait_for(lambda: _new_pids(out), 120, "a replacement", job)[0]
+        new = wait_for(lambda: pids(out, "pid.new.*"), 120, "a replacement", job)[0]
         where = new if window == "starting" else held_pid
         wait_for(lambda: (phase(out, where) or ("", 0))[0] == window, 120, f"the {window} window", job)
         time.sleep(0.5)  # the others wait inside the window
@@ -93,9 +88,7 @@ def test_a_loss_while_a_replacement_joins(tmp_path: Path, window: str, option: s
     assert second not in logs and first not in logs
     if victim == "running":
         assert new not in logs, "the replacement that was joining finished, though its join failed"
-    everyone = [int(p.read_text()) for p in out.glob("pid.*") if p.read_text().strip()]
-    assert not [pid for pid in everyone if alive(pid)], "processes of the job still run after it ended"
-    assert len([p for p in logs if p in _new_pids(out)]) >= 1, "no replacement finished"
+    assert not [pid for pid in pids(out) if alive(pid)], "processes of the job still run after it ended"
 
 
 @needs_ompi
