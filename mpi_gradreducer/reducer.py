@@ -170,6 +170,14 @@ class DistributedGradReducer:
         """The reducer's own duplicate of ``group``."""
         return self._comm
 
+    def waiting(self) -> str | None:
+        """The collective this reducer waits in now, in words (``call 4, bucket 0 (4096 bytes)``); None when none.
+
+        For a framework's diagnoses (the ``elsewhere`` of another component);
+        safe to call from any thread.
+        """
+        return self._instrument.waiting()
+
     def allocate_grads(self) -> list[Any]:
         """Gradient arrays that are views into the reducer's fusion buffers.
 

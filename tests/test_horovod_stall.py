@@ -53,6 +53,23 @@ def test_the_stall_shutdown_ends_every_rank_with_an_error():
     assert "rank 1 has not submitted [only_rank0]" in job.stdout, str(job)
 
 
+def test_ranks_in_different_operations_are_named_with_what_each_waits_in():
+    """Rank 0 waits in ``hvd.allreduce`` of ``metric``, rank 1 in its optimizer's reduction: Horovod's warning (on
+    rank 0) says where rank 1 is, the reducer's (on rank 1) where rank 0 is, each naming the process set."""
+    job = _job("crossed", HOROVOD_STALL_CHECK_TIME_SECONDS="2", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="10",
+               MPI_GRADREDUCER_STALL_WARNING="2")
+    assert job.returncode == 0, str(job)
+    assert re.search(r"submitted by some ranks of process set 0 .*\nMissing ranks:\n1: \[metric\] \(it waits in "
+                     r"hvd\.DistributedOptimizer's reduction in process set 0: call 1, bucket 0 ", job.stderr), str(job)
+    assert re.search(r"mpi_gradreducer: rank 1: call 1, bucket 0 .* has waited [0-9.]+ s \(stall_warning=2 s\); "
+                     r"missing ranks: 0 \[rank 0: not in a collective, before its first call, and in hvd\.allreduce "
+                     r"'metric' in process set 0, submitted [0-9.]+ s ago\]", job.stderr), str(job)
+    # the stall shutdown ends it: rank 0's metric raises, its step then meets rank 1's, rank 1's metric raises
+    assert re.search(r"rank 0: metric raised HorovodInternalError after", job.stdout), str(job)
+    assert job.stdout.count("step returned") == 2, str(job)
+    assert re.search(r"rank 1: metric raised HorovodInternalError", job.stdout), str(job)
+
+
 @FAREWELLS
 @pytest.mark.parametrize("mode", ["exit", "peer-shutdown"])
 @pytest.mark.parametrize("ranks", [2, 3])

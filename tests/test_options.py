@@ -68,6 +68,7 @@ def test_a_bad_argument_is_named_with_what_came(name, value, pattern):
     ("mean", 1, r"mean: expected a bool, got int 1"),
     ("cuda_aware", "yes", r"cuda_aware: expected a bool or None, got str 'yes'"),
     ("fusion_type", 1.5, r"fusion_type: expected an int, got float 1.5"),
+    ("elsewhere", ["engine"], r"elsewhere: expected a callable that returns strings, or None, got list \['engine'\]"),
 ])
 def test_a_wrong_type_is_a_type_error(name, value, pattern):
     with pytest.raises(TypeError, match=pattern):

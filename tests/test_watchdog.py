@@ -19,13 +19,14 @@ def test_missing_ranks_are_those_not_in_the_same_collective_of_the_same_call():
         0: Report(4, "call 4, bucket 0 (64 bytes)", 60.5),  # arrived
         1: Report(3, None, 0.0),  # computing
         3: Report(5, "call 5, bucket 0 (64 bytes)", 1.0),  # ahead, in another collective
-        4: Report(0, None, 0.0),  # has not started yet
+        4: Report(0, None, 0.0, ("hvd.allreduce 'loss' in process set 0, submitted 2.0 s ago",)),  # elsewhere
     }
     found = missing_ranks(6, 2, mine, replies)
     assert found == {
         1: "rank 1: not in a collective since call 3",
         3: "rank 3: waiting in call 5, bucket 0 (64 bytes) for 1.0 s",
-        4: "rank 4: not in a collective, before its first call",
+        4: "rank 4: not in a collective, before its first call, and in hvd.allreduce 'loss' in process set 0, "
+           "submitted 2.0 s ago",
         5: "rank 5: no answer (exited, or stuck in native code)",
     }
 
@@ -34,7 +35,7 @@ def test_inspector_over_one_rank_has_every_answer_at_once():
     inspector = StallInspector(MPI.COMM_SELF)
     try:
         inspector.ask()
-        inspector.serve(Report(1, None, 0.0))
+        inspector.serve(lambda: Report(1, None, 0.0))
         assert inspector.answered() and inspector.replies() == {}
     finally:
         inspector.close()

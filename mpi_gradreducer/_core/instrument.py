@@ -51,7 +51,7 @@ class Instrument:
     Args:
         comm: the reducer's communicator (the timeline gathers over it at :meth:`close`).
         options: the reducer's options (``timeline``, ``timeout``, ``stall_warning``,
-            ``abort_on_exception``).
+            ``abort_on_exception``, ``elsewhere``).
     """
 
     def __init__(self, comm: MPI.Intracomm, options: Options) -> None:
@@ -61,7 +61,7 @@ class Instrument:
         assert not isinstance(timeout, str) and not isinstance(stall, str) and not isinstance(abort, str), \
             "options not resolved"
         #: The watchdog that times each collective (None once closed).
-        self.watchdog: Watchdog | None = Watchdog(comm, timeout, stall, hook=abort)
+        self.watchdog: Watchdog | None = Watchdog(comm, timeout, stall, hook=abort, elsewhere=options.elsewhere)
         #: False while :meth:`unwatched`: collectives are then reported but never timed.
         self.watching = True
 
@@ -90,6 +90,10 @@ class Instrument:
             return fn(*args, **kwargs)
         finally:
             wd.disarm()
+
+    def waiting(self) -> str | None:
+        """The collective in progress, in words (``call 4, bucket 0 (4096 bytes)``); None when none is."""
+        return None if self.watchdog is None else self.watchdog.waiting()
 
     def phases(self, call: int, ks: Sequence[int], nbytes: int, t0: float, t1: float, t2: float,
                t3: float) -> None:

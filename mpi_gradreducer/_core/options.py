@@ -154,6 +154,15 @@ class Options:
             across ranks, times ``bucket.scale``, in ``bucket.buffer``, on
             every rank alike (``bucket.reduce()`` is the reducer's own sum).
             Not with ``compression="fp16"``/``"bf16"``, which is such a hook.
+        elsewhere: what else this process may wait in besides the reducer,
+            for the stall diagnoses of the other ranks: a callable that returns
+            one string per operation in progress (``["hvd.allreduce 'loss' in
+            process set 0, submitted 61.0 s ago"]``). When a rank's collective
+            stalls, the watchdogs it asks quote it for their rank, so that a
+            rank waiting in the reducer while another waits in some other
+            collective is named with both. Called on the watchdog's thread,
+            only when a rank asks. A framework that runs collectives of its own
+            beside the reducer passes it (``mpi_gradreducer.horovod`` does).
     """
 
     mean: bool = field(default=True, metadata=_agreed())
@@ -176,6 +185,7 @@ class Options:
     progress: str = field(default="auto", metadata=_agreed())
     deterministic: bool = field(default=False, metadata=_agreed())
     hook: Callable[[Any], None] | None = field(default=None, metadata=_agreed(_name))
+    elsewhere: Callable[[], Sequence[str]] | None = None
 
     def replace(self, **changes: Any) -> Options:
         """A copy with ``changes``.
@@ -307,6 +317,9 @@ def resolve(options: Options, specs: Sequence[ParamSpec], size: int) -> Options:
     if o.hook is not None and isinstance(o.compression, str):
         raise ValueError(f"hook: not with compression={o.compression!r}, which is a bucket hook of its own; "
                          "give one of them")
+    if o.elsewhere is not None and not callable(o.elsewhere):
+        raise TypeError(f"elsewhere: expected a callable that returns strings, or None, got "
+                        f"{type(o.elsewhere).__name__} {o.elsewhere!r}")
     if o.validate not in VALIDATE_MODES:
         raise ValueError(f"validate: expected one of {VALIDATE_MODES}, got {o.validate!r}")
     timeout = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT)) if _env(o.timeout) else o.timeout

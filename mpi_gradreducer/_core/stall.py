@@ -7,7 +7,8 @@ for a pending message (``MPI_Improbe``) at its poll interval.
 
 A waiting rank sends a query to every other rank; each rank's watchdog thread
 answers with a :class:`Report` of what its own rank is doing: the number of
-the reducer call it is at, and the collective it waits in, if any. A rank
+the reducer call it is at, the collective it waits in, if any, and what else
+its process waits in (the reducer's ``elsewhere`` option). A rank
 that answers within the reply window and waits in the same collective of the
 same call has arrived; every other rank is missing, and the report says what
 it was doing instead, or that it did not answer (it has exited, or is stuck
@@ -20,6 +21,7 @@ Without it, :attr:`StallInspector.available` is False and no message is sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -40,19 +42,26 @@ class Report:
         waiting: the collective the rank waits in (``"call 4, bucket 0 (4096
             bytes)"``), or None when it is not in a collective.
         seconds: how long it has waited there.
+        elsewhere: what else the rank's process waits in, in words (a
+            framework's own operations beside the reducer, e.g. ``hvd.allreduce
+            'loss' in process set 0, submitted 61.0 s ago``): the reducer's
+            ``elsewhere`` option.
     """
 
     call: int
     waiting: str | None
     seconds: float
+    elsewhere: tuple[str, ...] = ()
 
     def describe(self, rank: int) -> str:
         """One clause for a diagnostic line, e.g. ``rank 3: not in a collective since call 7``."""
         if self.waiting is not None:
-            return f"rank {rank}: waiting in {self.waiting} for {self.seconds:.1f} s"
-        if self.call == 0:
-            return f"rank {rank}: not in a collective, before its first call"
-        return f"rank {rank}: not in a collective since call {self.call}"
+            text = f"rank {rank}: waiting in {self.waiting} for {self.seconds:.1f} s"
+        elif self.call == 0:
+            text = f"rank {rank}: not in a collective, before its first call"
+        else:
+            text = f"rank {rank}: not in a collective since call {self.call}"
+        return text + "".join(f", and in {what}" for what in self.elsewhere)
 
 
 class StallInspector:
@@ -81,11 +90,11 @@ class StallInspector:
         self._replies: dict[int, Report] = {}
         self._sends: list[MPI.Request] = []
 
-    def serve(self, report: Report) -> None:
-        """Answer every query that has arrived with ``report``; keep the replies to :meth:`ask`.
+    def serve(self, answer: Callable[[], Report]) -> None:
+        """Answer every query that has arrived; keep the replies to :meth:`ask`.
 
         Args:
-            report: what this rank is doing now.
+            answer: what this rank is doing now (called only when a query has arrived).
         """
         comm = self._comm
         if not self.available or comm is None:
@@ -99,8 +108,9 @@ class StallInspector:
                 source, tag = status.Get_source(), status.Get_tag()
                 body = message.recv()
                 if tag == _QUERY:
-                    self._sends.append(comm.isend((body, report.call, report.waiting, report.seconds),
-                                                  dest=source, tag=_REPLY))
+                    report = answer()
+                    self._sends.append(comm.isend((body, report.call, report.waiting, report.seconds,
+                                                   report.elsewhere), dest=source, tag=_REPLY))
                 elif tag == _REPLY and body[0] == self._inquiry:
                     self._replies[source] = Report(*body[1:])
             self._sends = [r for r in self._sends if not r.Test()]

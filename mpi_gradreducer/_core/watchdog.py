@@ -21,12 +21,13 @@ the job too (:mod:`mpi_gradreducer._core.excepthook`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from mpi4py import MPI
 
@@ -58,15 +59,19 @@ class Watchdog:
         hook: while this watchdog lives, an uncaught exception aborts the job
             (:mod:`mpi_gradreducer._core.excepthook`; only over more than one rank).
         rank: the rank named in the messages (default: the rank in ``comm``).
+        elsewhere: what else this process waits in, in words, for the other
+            ranks' diagnoses (:attr:`Report.elsewhere <.stall.Report>`);
+            called on the watchdog's thread when a rank asks.
     """
 
     def __init__(self, comm: MPI.Intracomm, timeout: float | None, stall_warning: float | None,
-                 hook: bool = True, rank: int | None = None) -> None:
+                 hook: bool = True, rank: int | None = None,
+                 elsewhere: Callable[[], Sequence[str]] | None = None) -> None:
         self.timeout = None if timeout is None else float(timeout)
         self.stall_warning = None if stall_warning is None else float(stall_warning)
         inspector = StallInspector(comm)
         self._guard = _Guard(inspector, self.timeout, self.stall_warning,
-                             inspector.rank if rank is None else rank)
+                             inspector.rank if rank is None else rank, elsewhere)
         hooked = hook and inspector.size > 1 and UNCAUGHT.acquire()
         thread = threading.Thread(target=self._guard.run, name="mpi_gradreducer-watchdog", daemon=True)
         thread.start()
@@ -93,6 +98,10 @@ class Watchdog:
         """Stop timing: the collective finished."""
         self._guard.armed = None
 
+    def waiting(self) -> str | None:
+        """The collective armed now, in words (``call 4, bucket 0 (4096 bytes)``); None when none is."""
+        return self._guard.report().waiting
+
     def communicators(self) -> list[MPI.Intracomm]:
         """The side channel, while open."""
         return self._guard.inspector.communicators()
@@ -115,8 +124,9 @@ class _Guard:
     """The watchdog thread's state and loop (kept apart from :class:`Watchdog` so that it can be collected)."""
 
     def __init__(self, inspector: StallInspector, timeout: float | None, stall_warning: float | None,
-                 rank: int) -> None:
+                 rank: int, elsewhere: Callable[[], Sequence[str]] | None = None) -> None:
         self.inspector = inspector
+        self.elsewhere = elsewhere
         self.timeout = timeout
         self.stall_warning = stall_warning
         self.rank = rank
@@ -129,18 +139,29 @@ class _Guard:
         self.call = 0
 
     def report(self) -> Report:
-        """What this rank is doing now."""
+        """What this rank is doing now (without :attr:`elsewhere`: see :meth:`answer`)."""
         armed = self.armed
         if armed is None:
             return Report(self.call, None, 0.0)
         since, what, call, _ = armed
         return Report(call, _describe(what, call), time.monotonic() - since)
 
+    def answer(self) -> Report:
+        """What this rank is doing now, and what else its process waits in: the answer to another rank."""
+        report = self.report()
+        if self.elsewhere is None:
+            return report
+        try:
+            elsewhere = tuple(str(what) for what in self.elsewhere())
+        except Exception as exc:  # a description must never kill the watchdog
+            elsewhere = (f"(undescribable: {exc!r})",)
+        return dataclasses.replace(report, elsewhere=elsewhere)
+
     def run(self) -> None:
         warned: object = None  # the arming already warned about
         inquiry: tuple[object, bool, float] | None = None  # (arming, final, deadline)
         while not self.stop.wait(self._pause(inquiry)):
-            self.inspector.serve(self.report())
+            self.inspector.serve(self.answer)
             armed = self.armed
             if armed is None or (inquiry is not None and inquiry[0] is not armed):
                 inquiry = None  # the collective finished meanwhile

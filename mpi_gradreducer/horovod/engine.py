@@ -58,7 +58,7 @@ __all__ = ["Engine", "Handle", "Op", "NAP_SECONDS", "WAIT_NAP_SECONDS"]
 NAP_SECONDS = polling.NAP_SECONDS
 #: The nap while the caller waits for a handle.
 WAIT_NAP_SECONDS = 0.1e-3
-_REQUESTS, _RESPONSES, _LEFT, _SHUTDOWN = 1, 2, 3, 4
+_REQUESTS, _RESPONSES, _LEFT, _SHUTDOWN, _ASK, _TELL = 1, 2, 3, 4, 5, 6
 #: How long an idle engine sleeps before it looks at its messages (a peer that left, the stall inspector's).
 IDLE_SECONDS = 1.0
 #: How long a leaving engine tries to tell the others (a peer that has already gone cannot hear).
@@ -159,7 +159,8 @@ class _Set:
     """The engine's side of one process set (made on the caller's thread, collectively over its ranks)."""
 
     def __init__(self, set_id: int, ranks: tuple[int, ...], comm: MPI.Intracomm,
-                 wait: Callable[[MPI.Request], None], settings: Settings) -> None:
+                 wait: Callable[[MPI.Request], None], settings: Settings,
+                 ask: Callable[[_Set, list[int]], None]) -> None:
         self.id, self.ranks = set_id, ranks
         self.ctl, self.data = comm.Dup(), comm.Dup()
         self.me = comm.Get_rank()
@@ -173,7 +174,8 @@ class _Set:
         self.watchdog = Watchdog(self.data, settings.timeout, None, hook=False, rank=ranks[self.me])
         self.reductions = 0
         self.coordinator = Coordinator(comm.Get_size(), ranks) if self.me == 0 else None
-        self.inspector = StallInspector(settings) if self.me == 0 else None
+        self.inspector = StallInspector(settings, ask=lambda ranks: ask(self, ranks), set_id=set_id) \
+            if self.me == 0 else None
         self.lost: BaseException | None = None  # a peer left (or the job was shut down): every operation fails
         self.pending: dict[str, Op] = {}
         self.outbox: list[Request] = []
@@ -204,11 +206,16 @@ class Engine:
     Args:
         rank: this process's global rank (for messages).
         settings: Horovod's settings (fusion threshold, cycle time, stall limits).
+        elsewhere: what this process waits in outside the engine, in words
+            (the ``DistributedOptimizer`` reductions in progress): the stall
+            warning quotes it for a missing rank. Called on the engine's thread.
     """
 
-    def __init__(self, rank: int, settings: Settings | None = None) -> None:
+    def __init__(self, rank: int, settings: Settings | None = None,
+                 elsewhere: Callable[[], list[str]] | None = None) -> None:
         self.rank = rank
         self.settings = Settings() if settings is None else settings
+        self._elsewhere = elsewhere
         self._polling = polling.Polling(NAP_SECONDS)
         self._polling.computing(True)
         self.epoch = 0  # global join() calls seen complete
@@ -234,7 +241,7 @@ class Engine:
 
     def add_set(self, set_id: int, ranks: tuple[int, ...], comm: MPI.Intracomm) -> None:
         """Serve a process set from now on (``comm``: its ranks; duplicated here, collectively over them)."""
-        s = _Set(set_id, ranks, comm, self._polling.wait, self.settings)
+        s = _Set(set_id, ranks, comm, self._polling.wait, self.settings, self._ask)
         with self._cond:
             self._in_flight[set_id] = set()
         self._post(lambda: self._sets.__setitem__(set_id, s))
@@ -274,6 +281,19 @@ class Engine:
             self._polling.computing(self._waiting == 0)
             if delta > 0:
                 self._cond.notify_all()  # this cycle's requests go now
+
+    def pending(self) -> list[str]:
+        """This rank's operations in flight, in words, a line per process set (``hvd.allreduce 'loss' in process
+        set 0, submitted 61.0 s ago``): what the reducer's watchdog tells the other ranks (its ``elsewhere``
+        option). Safe from any thread (it reads copies)."""
+        now, lines = time.perf_counter(), []
+        for s in list(self._sets.values()):
+            ops = sorted(list(s.pending.values()), key=lambda op: op.submitted)
+            if ops:
+                names = ", ".join(f"{op.request.what or op.request.kind} {op.request.key!r}" for op in ops[:3])
+                more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
+                lines.append(f"{names}{more} in process set {s.id}, submitted {now - ops[0].submitted:.1f} s ago")
+        return lines
 
     def timeline(self, timeline: Any, mark_cycles: bool = False) -> Any:
         """Record into ``timeline`` from now on (None: stop); the timeline recorded into before."""
@@ -510,6 +530,27 @@ class Engine:
                 # farewell may come here before the first rank's verdict on it; that rank's verdicts decide.
             elif tag == _SHUTDOWN:
                 self._halt(body[1])
+            elif tag == _ASK and body[0] == s.token:
+                self._sends.append(s.ctl.isend((s.token, self._waiting_in()), dest=source, tag=_TELL))
+            elif tag == _TELL and body[0] == s.token and s.inspector is not None:
+                s.inspector.told(s.ranks[source], body[1])
+
+    def _ask(self, s: _Set, ranks: list[int]) -> None:
+        """The stall inspector asks these ranks (global) of set ``s`` what their processes wait in."""
+        assert s.inspector is not None
+        for r in ranks:
+            if r == s.ranks[s.me]:
+                s.inspector.told(r, self._waiting_in())
+            else:
+                self._sends.append(s.ctl.isend((s.token,), dest=s.ranks.index(r), tag=_ASK))
+
+    def _waiting_in(self) -> list[str]:
+        """What this process waits in: outside the engine (its ``elsewhere``), then its own operations."""
+        try:
+            outside = [] if self._elsewhere is None else list(self._elsewhere())
+        except Exception as exc:  # a description must never stop the engine
+            outside = [f"(undescribable: {exc!r})"]
+        return outside + self.pending()
 
     def _lose(self, s: _Set, error: BaseException) -> None:
         """The set cannot complete anything more: its operations still waiting for a verdict fail, and later

@@ -118,6 +118,8 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
                                 "gradient_predivide_factor, groups, process_set); not accepted as reducer options")
             asked = (Options() if options is None else options).replace(**reducer_options, **horovods)
+            if asked.elsewhere is None:  # a stall names what this rank's engine waits in, beside the reducer
+                asked = asked.replace(elsewhere=ctx.engine.pending)
         except Exception as exc:  # raised on every rank of the set, never on one alone
             error = exc
         if member:

@@ -195,7 +195,8 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
             warnings.warn(note, RuntimeWarning, stacklevel=3)
     local, cross = Topology.of(base).split(base)
     ranks = tuple(range(base.Get_size()))
-    engine = Engine(base.Get_rank(), settings)
+    optimizers: list[Any] = []
+    engine = Engine(base.Get_rank(), settings, elsewhere=lambda: _reductions(optimizers))
     own = base.Dup()
     engine.add_set(0, ranks, own)
     switch = None
@@ -203,8 +204,21 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL)
     ahead = joining(base) if comm is None else None  # a replacement's first init (its rebuilds pass the world)
-    _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, switch_interval=switch,
-                               joining=ahead)
+    _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, optimizers=optimizers,
+                               switch_interval=switch, joining=ahead)
+
+
+def _reductions(optimizers: list[Any]) -> list[str]:
+    """The reductions of the live ``DistributedOptimizer`` objects in progress, in words (what the engine's stall
+    warning quotes for a rank that waits in one)."""
+    out = []
+    for ref in list(optimizers):
+        opt = ref()
+        waiting = None if opt is None else opt.reducer.waiting()
+        if waiting is not None:
+            set_id = getattr(opt.process_set, "process_set_id", 0)
+            out.append(f"hvd.DistributedOptimizer's reduction in process set {set_id}: {waiting}")
+    return out
 
 
 def shutdown() -> None:

@@ -3,7 +3,11 @@
 The first rank of each process set (its coordinator) knows which keys some
 ranks have asked for and others have not (:meth:`.Coordinator.stalled`).
 After ``HOROVOD_STALL_CHECK_TIME_SECONDS`` it prints, as Horovod does, the
-ranks that are missing and the tensors they have not submitted; after
+ranks that are missing and the tensors they have not submitted, and with each
+what its process waits in instead (the reducer of a ``DistributedOptimizer``,
+another process set's operation): the engine asks the missing ranks first
+(:meth:`StallInspector.told` takes their answers) and the warning waits for
+them for at most :data:`REPLY_WINDOW` seconds; after
 ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (when set) the engine ends every
 rank's operations with :class:`~.exceptions.HorovodInternalError` and
 refuses new ones (:meth:`Engine <.engine.Engine>` sends the verdict to every
@@ -15,15 +19,18 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .negotiation import Coordinator
 from .settings import Settings
 
-__all__ = ["StallInspector", "CHECK_EVERY"]
+__all__ = ["StallInspector", "CHECK_EVERY", "REPLY_WINDOW"]
 
 #: How often the coordinator looks for stalled keys (seconds), at most.
 CHECK_EVERY = 1.0
+#: How long the warning waits for the missing ranks to say what they are doing (an idle engine looks at its
+#: messages every second).
+REPLY_WINDOW = 2.5
 
 
 class StallInspector:
@@ -32,13 +39,27 @@ class StallInspector:
     Args:
         settings: the stall limits (``stall_check``, ``stall_shutdown``).
         say: writes one message (default: stderr, in one system call).
+        ask: asks these ranks (global) what their processes wait in; their
+            answers come through :meth:`told`. None: the warning says it at once,
+            without.
+        set_id: the process set, for the warning.
     """
 
-    def __init__(self, settings: Settings, say: Callable[[str], None] | None = None) -> None:
+    def __init__(self, settings: Settings, say: Callable[[str], None] | None = None,
+                 ask: Callable[[list[int]], None] | None = None, set_id: int = 0) -> None:
         self.check, self.shutdown = settings.stall_check, settings.stall_shutdown
         self.say = _say if say is None else say
+        self.ask, self.set_id = ask, set_id
         self._warned: set[str] = set()
         self._next = 0.0
+        #: The warning that waits for answers: its stalled keys, its deadline and the ranks asked.
+        self._inquiry: tuple[dict[str, list[int]], float, set[int]] | None = None
+        self._told: dict[int, tuple[str, ...]] = {}
+
+    def told(self, rank: int, what: Sequence[str]) -> None:
+        """Take rank ``rank``'s answer: what its process waits in (nothing: it waits in no operation)."""
+        if self._inquiry is not None and rank in self._inquiry[2]:
+            self._told[rank] = tuple(what)
 
     def inspect(self, coordinator: Coordinator, now: float | None = None) -> str | None:
         """Warn about keys stalled past the check time; the shutdown message when one is past the shutdown time.
@@ -47,6 +68,11 @@ class StallInspector:
         """
         now = time.monotonic() if now is None else now
         limits = [t for t in (self.check, self.shutdown) if t is not None]
+        inquiry = self._inquiry
+        if inquiry is not None and (now >= inquiry[1] or set(self._told) >= inquiry[2]):
+            self._inquiry = None
+            assert self.check is not None
+            self.say(warning(inquiry[0], self.check, self.set_id, self._told))
         if not limits or now < self._next:
             return None
         self._next = now + min(CHECK_EVERY, min(limits) / 4)
@@ -54,11 +80,17 @@ class StallInspector:
         if not stalled:
             return None
         fresh = {k: v for k, v in stalled.items() if k not in self._warned}
-        if self.check is not None and fresh:
+        if self.check is not None and fresh and self._inquiry is None:
             checked = {k: v for k, v in fresh.items() if now - coordinator.since[k] >= self.check}
             if checked:
                 self._warned.update(checked)
-                self.say(warning(checked, self.check))
+                if self.ask is None:
+                    self.say(warning(checked, self.check, self.set_id))
+                else:
+                    ranks = {r for missing_ranks in checked.values() for r in missing_ranks}
+                    self._inquiry, self._told = (checked, now + REPLY_WINDOW, ranks), {}
+                    self.ask(sorted(ranks))
+                    self._next = now + min(CHECK_EVERY / 4, min(limits) / 4)  # the answers come soon
         if self.shutdown is not None:
             over = {k: v for k, v in stalled.items() if now - coordinator.since[k] >= self.shutdown}
             if over:
@@ -77,17 +109,25 @@ def missing(stalled: dict[str, list[int]]) -> str:
     return "; ".join(f"rank {r} has not submitted [{', '.join(keys)}]" for r, keys in sorted(by_rank.items()))
 
 
-def warning(stalled: dict[str, list[int]], seconds: float) -> str:
-    """The stall warning: Horovod's content (the missing ranks, each with the tensors it has not submitted)."""
-    lines = [f"[mpi_gradreducer.horovod] One or more tensors were submitted by some ranks of a process set and have "
-             f"waited more than {seconds:g} s for the others (HOROVOD_STALL_CHECK_TIME_SECONDS): different ranks may "
-             "be submitting different tensors, or only some of them submitting any, which deadlocks.",
+def warning(stalled: dict[str, list[int]], seconds: float, set_id: int = 0,
+            told: dict[int, tuple[str, ...]] | None = None) -> str:
+    """The stall warning: Horovod's content (the missing ranks, each with the tensors it has not submitted), and
+    what each missing rank's process waits in instead, where it told (``told``, by rank)."""
+    lines = [f"[mpi_gradreducer.horovod] One or more tensors were submitted by some ranks of process set {set_id} and "
+             f"have waited more than {seconds:g} s for the others (HOROVOD_STALL_CHECK_TIME_SECONDS): different ranks "
+             "may be submitting different tensors, or only some of them submitting any, which deadlocks.",
              "Missing ranks:"]
     by_rank: dict[int, list[str]] = {}
     for key, ranks in stalled.items():
         for r in ranks:
             by_rank.setdefault(r, []).append(key)
-    lines += [f"{r}: [{', '.join(keys)}]" for r, keys in sorted(by_rank.items())]
+    for r, keys in sorted(by_rank.items()):
+        line = f"{r}: [{', '.join(keys)}]"
+        if told is not None:
+            what = told.get(r)
+            line += (" (no answer to what it waits in)" if what is None else
+                     f" (it waits in {'; and in '.join(what)})" if what else " (it waits in no operation)")
+        lines.append(line)
     return "\n".join(lines)
 
 

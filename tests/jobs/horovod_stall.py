@@ -12,6 +12,10 @@
 - ``peer-shutdown``: the same, but the last rank calls ``hvd.shutdown()`` and stays.
 - ``join-left``: every other rank waits in ``hvd.join()`` when the last rank
   shuts down: their ``join`` raises.
+- ``crossed``: two ranks in different operations: rank 0 in ``hvd.allreduce``
+  of ``metric``, rank 1 in its ``DistributedOptimizer``'s reduction (set
+  HOROVOD_STALL_SHUTDOWN_TIME_SECONDS: the stall shutdown ends rank 0's
+  ``metric``, which then steps too, and rank 1's ``metric`` raises).
 """
 
 from __future__ import annotations
@@ -82,6 +86,21 @@ elif mode == "join-left":  # every other rank waits in hvd.join() when the last 
         hvd.shutdown()
         print(f"rank {me}: shut down", flush=True)
         time.sleep(3.0)
+elif mode == "crossed":
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return model.bias.detach()
+
+    calls = [("metric", lambda: hvd.allreduce(x, name="metric")), ("step", step)]
+    for what, call in calls if me == 0 else reversed(calls):
+        report(what, call)
+    hvd.shutdown()
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 print(f"rank {me}: done", flush=True)
