@@ -46,7 +46,8 @@ def test_horovod_style_script_survives_a_lost_rank(tmp_path: Path) -> None:
 @pytest.mark.skipif(REASON is not None, reason=REASON or "")
 def test_horovod_s_elastic_example_finishes_at_full_size_with_a_replacement(tmp_path: Path) -> None:
     """Horovod's pytorch_mnist_elastic.py (its samplers fixed at the top by hvd.size() and hvd.rank()), a rank
-    SIGKILLed with room for 4: the replacement's hvd.init() already says size 4, and all four finish alike."""
+    SIGKILLed with room for 4: the replacement's hvd.init() already says size 4 (and local rank 3 of 4, where it
+    will be on this one host), and all four finish alike."""
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:4\n")
     with OmpiJob("tests/jobs/horovod_mnist_elastic.py", "--epochs", "6", "--out", str(tmp_path),
@@ -60,7 +61,9 @@ def test_horovod_s_elastic_example_finishes_at_full_size_with_a_replacement(tmp_
     logs = {p.name.split(".")[1]: p.read_text() for p in tmp_path.glob("log.*")}
     new = [p.name.split(".")[2] for p in tmp_path.glob("pid.new.*")]
     assert len(new) == 1, (new, job.output[-3000:])
-    assert logs[new[0]].startswith("init size 4 rank 3\n"), logs[new[0]][:500]
+    assert logs[new[0]].startswith("init size 4 rank 3 local_rank 3 local_size 4\n"), logs[new[0]][:500]
+    resets = re.findall(r"reset size 4 rank (\d) local_rank (\d) local_size 4\n", "".join(logs.values()))
+    assert resets and all(rank == local for rank, local in resets), resets  # the same once merged
     assert "epoch 6 size 4" in logs[new[0]], logs[new[0]][-1000:]
     finals = sorted(tmp_path.glob("final.*.npy"))
     assert len(finals) == 4, job.output[-3000:]

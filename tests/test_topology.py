@@ -125,6 +125,9 @@ def test_topology_split_gives_the_host_and_the_cross_communicators():
         hosts = cross.allgather(topo.host)
         assert hosts == sorted(hosts) and len(set(hosts)) == len(hosts)  # one rank per host, in host order
         assert cross.allgather(topo.local_rank) == [topo.local_rank] * cross.Get_size()
+        named = Topology.named(topo.names, topo.rank)  # what a replacement computes before it joins
+        assert (named.local_rank, named.local_size) == (node.Get_rank(), node.Get_size())
+        assert (named.cross_rank, named.cross_size) == (cross.Get_rank(), cross.Get_size())
     finally:
         node.Free()
         cross.Free()
@@ -133,3 +136,15 @@ def test_topology_split_gives_the_host_and_the_cross_communicators():
 def test_topology_of_one_rank():
     topo = Topology.of(MPI.COMM_SELF)
     assert (topo.size, topo.hosts, topo.local_rank, topo.local_size, topo.ranks_per_host) == (1, 1, 0, 1, 1)
+
+
+def test_a_topology_from_names_alone_numbers_hosts_by_their_lowest_rank():
+    """What a replacement reports before it joins (``hvd.local_rank()`` and the like): the same as a split."""
+    names = ["b", "a", "b", "c", "a", "b"]
+    seen = [Topology.named(names, r) for r in range(len(names))]
+    assert seen[0].host_of == (0, 1, 0, 2, 1, 0)
+    assert [t.local_rank for t in seen] == [0, 0, 1, 0, 1, 2]
+    assert [t.local_size for t in seen] == [3, 2, 3, 1, 2, 3]
+    # cross: the ranks of one local rank, in host order (local rank 0: hosts b, a, c; 1: b, a; 2: b)
+    assert [t.cross_rank for t in seen] == [0, 1, 0, 2, 1, 0]
+    assert [t.cross_size for t in seen] == [3, 3, 2, 3, 2, 1]

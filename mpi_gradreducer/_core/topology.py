@@ -11,6 +11,7 @@ All traffic is buffer-based (fixed-size name buffers, integer arrays).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,6 +58,20 @@ class Topology:
         first = np.unique(leaders)
         return cls(rank, tuple(int(h) for h in np.searchsorted(first, leaders)), tuple(names))
 
+    @classmethod
+    def named(cls, names: Sequence[str], rank: int) -> Topology:
+        """The topology that processor names alone give (one host per name; local): for ranks that no
+        communicator spans yet, such as the world a replacement will join.
+
+        Args:
+            names: every rank's processor name, in rank order.
+            rank: this rank.
+        """
+        first: dict[str, int] = {}
+        for name in names:
+            first.setdefault(name, len(first))
+        return cls(rank, tuple(first[name] for name in names), tuple(names))
+
     @property
     def size(self) -> int:
         """The number of ranks."""
@@ -85,6 +100,19 @@ class Topology:
     def local_size(self) -> int:
         """The number of ranks on this rank's host."""
         return self.host_of.count(self.host)
+
+    @property
+    def cross_size(self) -> int:
+        """The number of hosts with a rank of this rank's local rank (Horovod's cross size)."""
+        local = self.local_rank
+        return sum(1 for h in range(self.hosts) if self.host_of.count(h) > local)
+
+    @property
+    def cross_rank(self) -> int:
+        """This rank's place among the ranks of its local rank, in host order (Horovod's cross rank: the rank
+        in the second communicator of :meth:`split`)."""
+        local = self.local_rank
+        return sum(1 for h in range(self.host) if self.host_of.count(h) > local)
 
     @property
     def ranks_per_host(self) -> int | None:

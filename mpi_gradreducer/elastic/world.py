@@ -30,18 +30,22 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import faults
+from .._core.topology import Topology, processor_names
 from . import _ulfm
 from .discovery import Discovery, leaving, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
-__all__ = ["JOIN_TIMEOUT_ENV", "MAX_SIZE_ENV", "MIN_SIZE_ENV", "TIMEOUT_ENV", "JoinFailed", "Settings", "World",
-           "joining"]
+__all__ = ["JOIN_TIMEOUT_ENV", "MAX_SIZE_ENV", "MIN_SIZE_ENV", "RUNNING_HOSTS_ENV", "TIMEOUT_ENV", "JoinFailed",
+           "Settings", "World", "joining", "joining_topology"]
 
 MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
 MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
 TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
 JOIN_TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_JOIN_TIMEOUT"
+#: Set by the running ranks in the environment of the processes they start (Open MPI's ``env`` spawn key): the
+#: host of each running rank, in rank order, comma-separated (see :func:`joining_topology`).
+RUNNING_HOSTS_ENV = "MPI_GRADREDUCER_ELASTIC_RUNNING_HOSTS"
 #: How long new processes may take from their start to the run loop, by default, before their start counts as
 #: failed (one killed as it started never arrives, and no failure of it reaches the running ranks).
 DEFAULT_JOIN_TIMEOUT = 60.0
@@ -418,9 +422,10 @@ class World:
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
         if want <= 0:
             return
-        places = placement(hosts, self._hosts_here(), want, self._lost_on)
+        running = self._hosts_here()
+        places = placement(hosts, running, want, self._lost_on)
         if places:
-            self._spawner = _Spawner(self.comm, places, self.settings.join_timeout)
+            self._spawner = _Spawner(self.comm, places, running, self.settings.join_timeout)
 
     def _finish_spawn(self) -> None:
         """Every rank's spawn has returned: raise the interrupt if all succeeded, else drop it (collective)."""
@@ -454,9 +459,10 @@ class World:
             hosts = (_safe_hosts(settings.discovery) or {}) if self.comm.Get_rank() == 0 else None
             hosts = self.comm.bcast(hosts)
             want = self._target(sum(hosts.values())) - self.comm.Get_size()
-            places = placement(hosts, self._hosts_here(), want, self._lost_on) if want > 0 else []
+            running = self._hosts_here()
+            places = placement(hosts, running, want, self._lost_on) if want > 0 else []
             if places:
-                spawner = _Spawner(self.comm, places, settings.join_timeout, background=False)
+                spawner = _Spawner(self.comm, places, running, settings.join_timeout, background=False)
                 if spawner.ready:
                     self._spawner = spawner
                     self._merge()
@@ -488,6 +494,23 @@ def joining(comm: MPI.Intracomm) -> tuple[int, int] | None:
         return None
     running = parent.Get_remote_size()
     return running + comm.Get_size(), running + comm.Get_rank()
+
+
+def joining_topology(comm: MPI.Intracomm) -> Topology | None:
+    """In a replacement that has not joined yet: the hosts of the world it joins, as it will be there (its local
+    rank, local size, cross rank and cross size; Horovod's ``hvd.local_rank()`` and the like), where the running
+    ranks gave their hosts (:data:`RUNNING_HOSTS_ENV`); None in any other process (collective over ``comm``).
+
+    Args:
+        comm: the processes started with this one (as for :func:`joining`).
+    """
+    ahead = joining(comm)
+    if ahead is None:
+        return None
+    running = [h for h in os.environ.get(RUNNING_HOSTS_ENV, "").split(",") if h]
+    if len(running) != ahead[0] - comm.Get_size():  # not given (another MPI's spawn): hosts of their own
+        running = [f"(running rank {r})" for r in range(ahead[0] - comm.Get_size())]
+    return Topology.named(running + processor_names(comm), ahead[1])
 
 
 def _meet(inter: MPI.Intercomm, comm: MPI.Intracomm, seconds: float) -> None:
@@ -592,15 +615,18 @@ class _Spawner:
     Args:
         comm: the ranks training now.
         places: one host per new rank.
+        running: the host of every rank of ``comm``, in rank order (the new processes get them in
+            :data:`RUNNING_HOSTS_ENV`: see :func:`joining_topology`).
         join_timeout: seconds the new processes may take to reach the run loop; later, the start failed.
         background: spawn on a thread (the training goes on meanwhile).
     """
 
-    def __init__(self, comm: MPI.Intracomm, places: list[str], join_timeout: float,
+    def __init__(self, comm: MPI.Intracomm, places: list[str], running: list[str], join_timeout: float,
                  background: bool = True) -> None:
         self.comm: MPI.Intracomm = _ulfm.returning(comm.Dup())  # type: ignore[assignment]
         self.count = len(places)
         self.places = places
+        self.running = running
         self.join_timeout = join_timeout
         self.inter: MPI.Intercomm | None = None
         self.error: BaseException | None = None
@@ -616,6 +642,7 @@ class _Spawner:
             here = socket.gethostname()
             if any(p != here for p in self.places):
                 info.Set("host", ",".join(self.places))
+            info.Set("env", f"{RUNNING_HOSTS_ENV}={','.join(self.running)}")  # Open MPI's key; others ignore it
             argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
             inter: MPI.Intercomm = _ulfm.returning(  # type: ignore[assignment]
                 self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count, info=info, root=0))

@@ -24,7 +24,7 @@ from .._core import groups
 from .._core.agreement import raise_if_any
 from .._core.singleton import check_not_singleton
 from .._core.topology import Topology
-from ..elastic import joining
+from ..elastic import joining_topology
 from .engine import Engine
 from .settings import Settings
 from .views import Views
@@ -86,8 +86,9 @@ class Context:
         optimizers: weak references to the live ``DistributedOptimizer`` objects (``join()`` serves them).
         switch_interval: the interpreter's switch interval before :func:`init` lowered it (:data:`SWITCH_INTERVAL`),
             restored by :func:`shutdown`; None when it was left as it was.
-        joining: in a replacement started by elastic mode, before it joins the running ranks: the size and rank
-            it will have then (:func:`mpi_gradreducer.elastic.joining`), which :func:`size` and :func:`rank`
+        joining: in a replacement started by elastic mode, before it joins the running ranks: the hosts of the
+            world it joins, as it will be there (:func:`mpi_gradreducer.elastic.joining_topology`), whose size,
+            rank, local and cross ranks and sizes :func:`size`, :func:`rank`, :func:`local_rank` and the like
             report, as Horovod's do; None otherwise.
     """
 
@@ -100,7 +101,7 @@ class Context:
     timeline: Any = None
     optimizers: list[Any] = field(default_factory=list)
     switch_interval: float | None = None
-    joining: tuple[int, int] | None = None
+    joining: Topology | None = None
 
     def communicators(self) -> Iterator[MPI.Intracomm]:
         """Every communicator this context owns, the engine's included: what a lost rank's recovery revokes."""
@@ -203,7 +204,7 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     if sys.getswitchinterval() == _PYTHON_SWITCH_INTERVAL:  # a program's own choice is left alone
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL)
-    ahead = joining(base) if comm is None else None  # a replacement's first init (its rebuilds pass the world)
+    ahead = joining_topology(base) if comm is None else None  # a replacement's first init (its rebuilds pass the world)
     _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, optimizers=optimizers,
                                switch_interval=switch, joining=ahead)
 
@@ -255,33 +256,37 @@ def is_initialized() -> bool:
 def size() -> int:
     """The number of ranks (in a replacement before it joins the running ranks: the number it joins)."""
     ctx = current("hvd.size()")
-    return ctx.comm.Get_size() if ctx.joining is None else ctx.joining[0]
+    return ctx.comm.Get_size() if ctx.joining is None else ctx.joining.size
 
 
 def rank() -> int:
     """This rank (in a replacement before it joins the running ranks: the rank it will have)."""
     ctx = current("hvd.rank()")
-    return ctx.comm.Get_rank() if ctx.joining is None else ctx.joining[1]
+    return ctx.comm.Get_rank() if ctx.joining is None else ctx.joining.rank
 
 
 def local_size() -> int:
     """The number of ranks on this host."""
-    return current("hvd.local_size()").local.Get_size()
+    ctx = current("hvd.local_size()")
+    return ctx.local.Get_size() if ctx.joining is None else ctx.joining.local_size
 
 
 def local_rank() -> int:
     """This rank among the ranks on this host."""
-    return current("hvd.local_rank()").local.Get_rank()
+    ctx = current("hvd.local_rank()")
+    return ctx.local.Get_rank() if ctx.joining is None else ctx.joining.local_rank
 
 
 def cross_size() -> int:
     """The number of hosts that have a rank with this rank's local rank."""
-    return current("hvd.cross_size()").cross.Get_size()
+    ctx = current("hvd.cross_size()")
+    return ctx.cross.Get_size() if ctx.joining is None else ctx.joining.cross_size
 
 
 def cross_rank() -> int:
     """This rank among the ranks with its local rank, one per host (its host's index)."""
-    return current("hvd.cross_rank()").cross.Get_rank()
+    ctx = current("hvd.cross_rank()")
+    return ctx.cross.Get_rank() if ctx.joining is None else ctx.joining.cross_rank
 
 
 def mpi_threads_supported() -> bool:

@@ -13,8 +13,8 @@ replacement's epoch has more batches than the others' and the ranks part.
 Changed: the import; MNIST and its convolutional net (nothing may be
 downloaded) are scikit-learn's digits and a small perceptron; CUDA, Adasum
 and fp16 are left out; ``--out DIR``: each process writes ``DIR/pid.R``
-(``pid.new.PID`` for a replacement), ``init size N rank R`` and ``epoch E
-size N`` lines to ``DIR/log.PID`` and its parameters to
+(``pid.new.PID`` for a replacement), ``init size N rank R local_rank L
+local_size S``, ``reset ...`` (the same) and ``epoch E size N`` lines to ``DIR/log.PID`` and its parameters to
 ``DIR/final.PID.npy``.
 """
 
@@ -66,7 +66,7 @@ if out is not None:
 
     new = MPI.Comm.Get_parent() != MPI.COMM_NULL
     (out / (f"pid.new.{os.getpid()}" if new else f"pid.{hvd.rank()}")).write_text(str(os.getpid()))
-log(f"init size {hvd.size()} rank {hvd.rank()}")
+log(f"init size {hvd.size()} rank {hvd.rank()} local_rank {hvd.local_rank()} local_size {hvd.local_size()}")
 
 data = load_data()
 train_dataset = torch.utils.data.TensorDataset(torch.tensor(data.x_train, dtype=torch.float32),
@@ -158,7 +158,7 @@ optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_par
 def on_state_reset():
     for param_group in optimizer.param_groups:
         param_group['lr'] = args.lr * hvd.size()
-    log(f"reset size {hvd.size()} rank {hvd.rank()}")
+    log(f"reset size {hvd.size()} rank {hvd.rank()} local_rank {hvd.local_rank()} local_size {hvd.local_size()}")
 
 
 state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)
