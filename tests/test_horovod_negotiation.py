@@ -1,8 +1,11 @@
-"""The coordinator of ``mpi_gradreducer.horovod`` alone (no MPI): when a key is ready, and what its verdict is."""
+"""The coordinator of ``mpi_gradreducer.horovod`` alone (no MPI): when a key is ready, what its verdict is, and
+the stall inspector's warning about it."""
 
 from __future__ import annotations
 
 from mpi_gradreducer.horovod.negotiation import JOIN, Coordinator, Request, describe
+from mpi_gradreducer.horovod.settings import Settings
+from mpi_gradreducer.horovod.stall import REPLY_WINDOW, StallInspector
 
 
 def _allreduce(key: str, shape: tuple[int, ...] = (3,), dtype: str = "float32", op: int = 0, epoch: int = 0,
@@ -82,3 +85,27 @@ def test_describe_names_roots_and_operations():
     assert text == "hvd.broadcast of [int64 (2, 2)] from root_rank=3"
     assert describe(Request("k", "barrier", "hvd.barrier")) == "hvd.barrier"
     assert describe(_allreduce("k", op=4)).endswith("with op=Max")
+
+
+def test_the_stall_warning_waits_for_the_missing_ranks_answers_then_names_what_they_wait_in():
+    c = Coordinator(3, ranks=(4, 5, 6))
+    c.receive(0, [_allreduce("metric")])
+    said: list[str] = []
+    asked: list[list[int]] = []
+    inspector = StallInspector(Settings(stall_check=2.0), say=said.append, ask=asked.append, set_id=2)
+    start = c.since["metric"]
+    assert inspector.inspect(c, start + 1.0) is None and asked == []  # not yet stalled
+    inspector.inspect(c, start + 2.5)
+    assert asked == [[5, 6]] and said == []  # the missing ranks (global) are asked; the warning waits
+    inspector.told(5, ["hvd.DistributedOptimizer's reduction in process set 2: call 1, bucket 0 (84 bytes)"])
+    inspector.told(4, ["not asked"])  # ignored
+    inspector.inspect(c, start + 3.0)
+    assert said == []  # rank 6 has not answered yet
+    inspector.inspect(c, start + 2.5 + REPLY_WINDOW)
+    assert len(said) == 1, said
+    assert "some ranks of process set 2" in said[0]
+    assert said[0].endswith("Missing ranks:\n5: [metric] (it waits in hvd.DistributedOptimizer's reduction in "
+                            "process set 2: call 1, bucket 0 (84 bytes))\n6: [metric] (no answer to what it "
+                            "waits in)"), said[0]
+    inspector.inspect(c, start + 20.0)
+    assert len(said) == 1 and asked == [[5, 6]]  # once per key

@@ -94,6 +94,10 @@ class StallInspector:
         if self.shutdown is not None:
             over = {k: v for k, v in stalled.items() if now - coordinator.since[k] >= self.shutdown}
             if over:
+                if self._inquiry is not None:  # the warning first, with the answers come so far
+                    assert self.check is not None
+                    self.say(warning(self._inquiry[0], self.check, self.set_id, self._told))
+                    self._inquiry = None
                 return (f"Horovod has been shut down: {missing(over)} after "
                         f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown:g}; every operation of every rank "
                         "fails from now on")
