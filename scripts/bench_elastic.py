@@ -24,7 +24,8 @@
   The stopped process is SIGKILLed afterwards, so that the job ends.
 - ``chaos [--periods 15,60] [--seconds 120]``: Open MPI with ULFM, room for 4
   ranks in a host file, a commit every step (``tests/jobs/elastic_train.py``,
-  20 ms of compute a step); the same number of steps undisturbed, then with a
+  20 ms of compute a step at 4 ranks, the global batch's 80 ms shared: 27 ms
+  at 3); the same number of steps undisturbed, then with a
   random live process SIGKILLed every period while replacements join. Prints,
   for each period, the training efficiency as torchft reports it (the
   undisturbed run's time for those steps over the disturbed run's), the
@@ -135,7 +136,7 @@ def _step_job() -> None:
     reducer.free()
 
 
-def _ompi_job(out: Path, env: dict[str, str], steps: int = 150) -> jobs.Job:
+def _ompi_job(out: Path, env: dict[str, str], steps: int = 150, more: tuple[str, ...] = ()) -> jobs.Job:
     venv = Path(os.environ.get("MPI_GRADREDUCER_OMPI_VENV", ROOT / ".venv-ompi"))
     launcher = Launcher.detect(str(venv / "bin" / "mpiexec"))
     variables = {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **env}
@@ -143,7 +144,7 @@ def _ompi_job(out: Path, env: dict[str, str], steps: int = 150) -> jobs.Job:
     environ.update(variables)
     environ["OMPI_MCA_btl_tcp_if_include"] = "lo"  # the job's TCP stays on the loopback
     command = launcher.command([str(venv / "bin" / "python"), str(ROOT / "tests" / "jobs" / "elastic_train.py"),
-                                "--out", str(out), "--steps", str(steps)], ranks=4, oversubscribe=True,
+                                "--out", str(out), "--steps", str(steps), *more], ranks=4, oversubscribe=True,
                                fault_tolerance=True, env=variables)
     return jobs.Job(command, env=environ, stderr=jobs.STDOUT)
 
@@ -294,7 +295,9 @@ def _chaos(out: Path, steps: int, period: float | None, rng: random.Random, limi
     """The run of :func:`chaos_run` in ``out``."""
     (out / "hosts").write_text("localhost:4\n")
     kills: list[float] = []
-    with _ompi_job(out, {"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(out / "hosts")}, steps) as job:
+    # the compute of a constant global batch, shared: a step at 3 ranks takes 4/3 of one at 4
+    with _ompi_job(out, {"MPI_GRADREDUCER_ELASTIC_HOSTFILE": str(out / "hosts")}, steps,
+                   ("--share-compute", "4")) as job:
         deadline = time.monotonic() + limit
         started: float | None = None
         while job.poll() is None:

@@ -25,6 +25,10 @@ What the test reads, all under ``--out``:
 - ``resume.npz`` (with ``--save-resume``): the state rank 0 went on from
   after the first failure, for a fresh run to start from (``--load``).
 
+``--step-seconds S``: the compute of a step (a sleep; default 0.02).
+``--share-compute N``: S is the compute of the global batch over N ranks,
+shared by the ranks training now: each sleeps S * N / size (a step at 3
+ranks takes 4/3 as long as at 4, as with a constant global batch).
 ``--straggle PID_FILE_RANK:STEP``: that original rank sleeps before its
 reducer call at that step (the others wait for it in the collective).
 ``--slow-sync RANK``: after a failure, that original rank sleeps at the
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ballast-mb", type=float, default=0.0, help="one more parameter of this many MB")
     parser.add_argument("--step-seconds", type=float, default=0.02)
+    parser.add_argument("--share-compute", type=int, default=0)
     parser.add_argument("--straggle", default="")
     parser.add_argument("--slow-sync", type=int, default=-1)
     parser.add_argument("--slow-bcast", type=int, default=-1)
@@ -209,7 +214,7 @@ def main() -> None:
             reducer(grads)
             for p, g in zip(params, grads, strict=True):
                 p -= np.float32(0.05) * g
-            time.sleep(args.step_seconds)
+            time.sleep(args.step_seconds * (args.share_compute / state.size if args.share_compute else 1))
             state.step += 1
             at("commit", state.step)
             try:
