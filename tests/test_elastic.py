@@ -299,6 +299,20 @@ def test_drained_ranks_are_those_beyond_their_host_s_slots() -> None:
     assert leaving({}, ["a", "a"]) == [0, 1]
 
 
+def test_the_running_hosts_travel_as_runs_and_come_back_the_same() -> None:
+    """What the running ranks pass to the processes they start: their hosts in rank order, as runs, so that 64
+    ranks on 8 hosts of 20-character names stay within Open MPI's 256 characters of an info value."""
+    from mpi_gradreducer.elastic.world import RUNNING_HOSTS_ENV, _hosts_from, _hosts_value
+
+    for hosts in ([], ["a"], ["a", "a", "b", "a"], ["node-17.cluster", "node-17.cluster", "node-2"]):
+        assert _hosts_from(_hosts_value(hosts)) == hosts
+    assert _hosts_value(["a", "a", "b", "a"]) == "a*2,b,a"
+    big = [f"compute-node-{h:02d}.site" for h in range(8) for _ in range(8)]
+    assert _hosts_from(_hosts_value(big)) == big
+    assert len(f"{RUNNING_HOSTS_ENV}={_hosts_value(big)}") < 256
+    assert _hosts_from("a*x") == []  # malformed: the new process then counts only the processes started with it
+
+
 @needs_ompi
 def test_after_recovery_bitwise_as_a_fresh_run(tmp_path: Path) -> None:
     """deterministic=True: the 3 survivors' run from the commit equals a fresh 3-rank run from that state."""

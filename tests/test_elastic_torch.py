@@ -62,8 +62,6 @@ def test_horovod_s_elastic_example_finishes_at_full_size_with_a_replacement(tmp_
     new = [p.name.split(".")[2] for p in tmp_path.glob("pid.new.*")]
     assert len(new) == 1, (new, job.output[-3000:])
     assert logs[new[0]].startswith("init size 4 rank 3 local_rank 3 local_size 4\n"), logs[new[0]][:500]
-    resets = re.findall(r"reset size 4 rank (\d) local_rank (\d) local_size 4\n", "".join(logs.values()))
-    assert resets and all(rank == local for rank, local in resets), resets  # the same once merged
     assert "epoch 6 size 4" in logs[new[0]], logs[new[0]][-1000:]
     finals = sorted(tmp_path.glob("final.*.npy"))
     assert len(finals) == 4, job.output[-3000:]

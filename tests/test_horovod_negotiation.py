@@ -91,14 +91,16 @@ def test_the_stall_warning_waits_for_the_missing_ranks_answers_then_names_what_t
     c = Coordinator(3, ranks=(4, 5, 6))
     c.receive(0, [_allreduce("metric")])
     said: list[str] = []
-    asked: list[list[int]] = []
-    inspector = StallInspector(Settings(stall_check=2.0), say=said.append, ask=asked.append, set_id=2)
+    asked: list[tuple[list[int], int]] = []
+    inspector = StallInspector(Settings(stall_check=2.0), say=said.append,
+                               ask=lambda ranks, inquiry: asked.append((ranks, inquiry)), set_id=2)
     start = c.since["metric"]
     assert inspector.inspect(c, start + 1.0) is None and asked == []  # not yet stalled
     inspector.inspect(c, start + 2.5)
-    assert asked == [[5, 6]] and said == []  # the missing ranks (global) are asked; the warning waits
-    inspector.told(5, ["hvd.DistributedOptimizer's reduction in process set 2: call 1, bucket 0 (84 bytes)"])
-    inspector.told(4, ["not asked"])  # ignored
+    assert asked == [([5, 6], 1)] and said == []  # the missing ranks (global) are asked; the warning waits
+    inspector.told(5, 1, ["hvd.DistributedOptimizer's reduction in process set 2: call 1, bucket 0 (84 bytes)"])
+    inspector.told(4, 1, ["not asked"])  # ignored
+    inspector.told(6, 0, ["an answer to an earlier inquiry"])  # ignored
     inspector.inspect(c, start + 3.0)
     assert said == []  # rank 6 has not answered yet
     inspector.inspect(c, start + 2.5 + REPLY_WINDOW)
@@ -108,4 +110,21 @@ def test_the_stall_warning_waits_for_the_missing_ranks_answers_then_names_what_t
                             "process set 2: call 1, bucket 0 (84 bytes))\n6: [metric] (no answer to what it "
                             "waits in)"), said[0]
     inspector.inspect(c, start + 20.0)
-    assert len(said) == 1 and asked == [[5, 6]]  # once per key
+    assert len(said) == 1 and len(asked) == 1  # once per key
+
+
+def test_the_stall_warning_comes_once_every_asked_rank_answered_or_when_the_set_is_lost():
+    c = Coordinator(2)
+    c.receive(0, [_allreduce("a")])
+    said: list[str] = []
+    inspector = StallInspector(Settings(stall_check=1.0), say=said.append, ask=lambda ranks, inquiry: None)
+    start = c.since["a"]
+    inspector.inspect(c, start + 1.5)
+    inspector.told(1, 1, [])
+    inspector.inspect(c, start + 1.6)  # every rank asked has answered: at once, not at the window's end
+    assert len(said) == 1 and said[0].endswith("1: [a] (it waits in no operation that Horovod knows of)"), said
+    c.receive(0, [_allreduce("b")])
+    inspector.inspect(c, c.since["b"] + 3.0)
+    inspector.flush()  # the set is lost (or the engine stops) before the answer: said with what came
+    inspector.flush()  # once
+    assert len(said) == 2 and said[1].endswith("1: [b] (no answer to what it waits in)"), said

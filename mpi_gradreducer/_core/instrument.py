@@ -93,7 +93,8 @@ class Instrument:
 
     def waiting(self) -> str | None:
         """The collective in progress, in words (``call 4, bucket 0 (4096 bytes)``); None when none is."""
-        return None if self.watchdog is None else self.watchdog.waiting()
+        wd = self.watchdog  # read once: close() may drop it meanwhile (another thread asks)
+        return None if wd is None else wd.waiting()
 
     def phases(self, call: int, ks: Sequence[int], nbytes: int, t0: float, t1: float, t2: float,
                t3: float) -> None:

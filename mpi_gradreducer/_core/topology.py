@@ -4,7 +4,9 @@ A *host* is a set of ranks that share memory (``Split_type`` with
 ``MPI_COMM_TYPE_SHARED``) and report the same processor name: ranks that MPI
 places apart, or whose host names differ, are on different hosts. Hosts are
 numbered by their lowest rank; a rank's *local rank* is its place among the
-ranks of its host, its *cross rank* the number of its host (Horovod's names).
+ranks of its host, its *cross rank* its place among the ranks of its local
+rank, one per host, in host order (Horovod's names; the number of its host
+where every host holds as many ranks).
 
 All traffic is buffer-based (fixed-size name buffers, integer arrays).
 """
@@ -84,7 +86,7 @@ class Topology:
 
     @property
     def host(self) -> int:
-        """This rank's host (Horovod's cross rank)."""
+        """This rank's host (Horovod's cross rank where every host holds as many ranks; see :attr:`cross_rank`)."""
         return self.host_of[self.rank]
 
     def ranks_on(self, host: int) -> list[int]:

@@ -152,7 +152,8 @@ class _Guard:
         if self.elsewhere is None:
             return report
         try:
-            elsewhere = tuple(str(what) for what in self.elsewhere())
+            said = self.elsewhere()
+            elsewhere = (said,) if isinstance(said, str) else tuple(str(what) for what in said)
         except Exception as exc:  # a description must never kill the watchdog
             elsewhere = (f"(undescribable: {exc!r})",)
         return dataclasses.replace(report, elsewhere=elsewhere)

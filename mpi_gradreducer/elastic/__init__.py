@@ -34,7 +34,7 @@ from .errors import ElasticError, HostsUpdated, RanksLost
 from .loop import run
 from .rebuild import Rebuildable
 from .state import ArrayState, State
-from .world import Settings, World, joining, joining_topology
+from .world import Settings, World, joining, joining_hosts
 
 __all__ = ["ArrayState", "Discovery", "ElasticError", "GlobalBatch", "HostsUpdated", "RanksLost", "Rebuildable",
-           "Settings", "State", "World", "joining", "joining_topology", "run", "ulfm_available", "why_no_ulfm"]
+           "Settings", "State", "World", "joining", "joining_hosts", "run", "ulfm_available", "why_no_ulfm"]

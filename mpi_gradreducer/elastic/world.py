@@ -30,21 +30,22 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import faults
-from .._core.topology import Topology, processor_names
+from .._core.topology import processor_names
 from . import _ulfm
 from .discovery import Discovery, leaving, placement
 from .errors import ElasticError, HostsUpdated, RanksLost
 from .rebuild import Rebuildable, rebuildable
 
 __all__ = ["JOIN_TIMEOUT_ENV", "MAX_SIZE_ENV", "MIN_SIZE_ENV", "RUNNING_HOSTS_ENV", "TIMEOUT_ENV", "JoinFailed",
-           "Settings", "World", "joining", "joining_topology"]
+           "Settings", "World", "joining", "joining_hosts"]
 
 MIN_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MIN_SIZE"
 MAX_SIZE_ENV = "MPI_GRADREDUCER_ELASTIC_MAX_SIZE"
 TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_TIMEOUT"
 JOIN_TIMEOUT_ENV = "MPI_GRADREDUCER_ELASTIC_JOIN_TIMEOUT"
 #: Set by the running ranks in the environment of the processes they start (Open MPI's ``env`` spawn key): the
-#: host of each running rank, in rank order, comma-separated (see :func:`joining_topology`).
+#: host of each running rank, in rank order, as runs ``NAME*COUNT`` (``NAME`` for one), comma-separated (see
+#: :func:`joining_hosts`). Left out where it would pass ``MPI_MAX_INFO_VAL`` (256 under Open MPI).
 RUNNING_HOSTS_ENV = "MPI_GRADREDUCER_ELASTIC_RUNNING_HOSTS"
 #: How long new processes may take from their start to the run loop, by default, before their start counts as
 #: failed (one killed as it started never arrives, and no failure of it reaches the running ranks).
@@ -496,10 +497,16 @@ def joining(comm: MPI.Intracomm) -> tuple[int, int] | None:
     return running + comm.Get_size(), running + comm.Get_rank()
 
 
-def joining_topology(comm: MPI.Intracomm) -> Topology | None:
-    """In a replacement that has not joined yet: the hosts of the world it joins, as it will be there (its local
-    rank, local size, cross rank and cross size; Horovod's ``hvd.local_rank()`` and the like), where the running
-    ranks gave their hosts (:data:`RUNNING_HOSTS_ENV`); None in any other process (collective over ``comm``).
+def joining_hosts(comm: MPI.Intracomm) -> list[str] | None:
+    """In a replacement that has not joined yet: the host (processor name) of every rank of the world it will
+    join, in rank order, its own at its rank there (see :func:`joining`); None in any other process (collective
+    over ``comm``).
+
+    So a replacement knows, from its start, its local rank and size in that world too (Horovod's
+    ``hvd.local_rank()`` and the like after its ``hvd.init()``). The running ranks pass their hosts in the
+    environment of the processes they start (``MPI_GRADREDUCER_ELASTIC_RUNNING_HOSTS``, through Open MPI's
+    ``env`` spawn key); where they could not (another MPI, or a list longer than an info value may be), each
+    running rank is given a host of its own, so that the new processes count only themselves.
 
     Args:
         comm: the processes started with this one (as for :func:`joining`).
@@ -507,10 +514,33 @@ def joining_topology(comm: MPI.Intracomm) -> Topology | None:
     ahead = joining(comm)
     if ahead is None:
         return None
-    running = [h for h in os.environ.get(RUNNING_HOSTS_ENV, "").split(",") if h]
-    if len(running) != ahead[0] - comm.Get_size():  # not given (another MPI's spawn): hosts of their own
-        running = [f"(running rank {r})" for r in range(ahead[0] - comm.Get_size())]
-    return Topology.named(running + processor_names(comm), ahead[1])
+    count = ahead[0] - comm.Get_size()
+    running = _hosts_from(os.environ.get(RUNNING_HOSTS_ENV, ""))
+    if len(running) != count:  # not given (another MPI's spawn, or too long to pass): hosts of their own
+        running = [f"(running rank {r})" for r in range(count)]
+    return running + processor_names(comm)
+
+
+def _hosts_value(hosts: list[str]) -> str:
+    """``a*2,b`` for ``[a, a, b]``: the hosts of ranks in rank order, as runs (see :data:`RUNNING_HOSTS_ENV`)."""
+    runs: list[list[Any]] = []
+    for host in hosts:
+        if runs and runs[-1][0] == host:
+            runs[-1][1] += 1
+        else:
+            runs.append([host, 1])
+    return ",".join(host if n == 1 else f"{host}*{n}" for host, n in runs)
+
+
+def _hosts_from(value: str) -> list[str]:
+    """The hosts that :func:`_hosts_value` wrote (empty for an empty or malformed value)."""
+    hosts: list[str] = []
+    for run in filter(None, value.split(",")):
+        host, _, n = run.partition("*")
+        if n and not n.isdigit():
+            return []
+        hosts += [host] * (int(n) if n else 1)
+    return hosts
 
 
 def _meet(inter: MPI.Intercomm, comm: MPI.Intracomm, seconds: float) -> None:
@@ -616,7 +646,7 @@ class _Spawner:
         comm: the ranks training now.
         places: one host per new rank.
         running: the host of every rank of ``comm``, in rank order (the new processes get them in
-            :data:`RUNNING_HOSTS_ENV`: see :func:`joining_topology`).
+            :data:`RUNNING_HOSTS_ENV`: see :func:`joining_hosts`).
         join_timeout: seconds the new processes may take to reach the run loop; later, the start failed.
         background: spawn on a thread (the training goes on meanwhile).
     """
@@ -642,7 +672,9 @@ class _Spawner:
             here = socket.gethostname()
             if any(p != here for p in self.places):
                 info.Set("host", ",".join(self.places))
-            info.Set("env", f"{RUNNING_HOSTS_ENV}={','.join(self.running)}")  # Open MPI's key; others ignore it
+            variable = f"{RUNNING_HOSTS_ENV}={_hosts_value(self.running)}"
+            if len(variable) < MPI.MAX_INFO_VAL:  # Open MPI's key (others ignore it); longer, it is refused
+                info.Set("env", variable)
             argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))[1:]
             inter: MPI.Intercomm = _ulfm.returning(  # type: ignore[assignment]
                 self.comm.Spawn(sys.executable, args=argv, maxprocs=self.count, info=info, root=0))

@@ -64,8 +64,12 @@ class _Context:
             yield from ctx.communicators()
 
     def rebuild(self, comm: MPI.Intracomm) -> None:
+        ctx = session._Session.context
+        optimizers = [] if ctx is None else list(ctx.optimizers)
         session.shutdown()  # frees the old communicators, locally after a revoke
         session.init(comm)
+        # the same DistributedOptimizer objects go on (rebuilt after this): join() and the stall warnings serve them
+        session.current("hvd.elastic").optimizers.extend(optimizers)
 
     def abandon(self) -> None:
         """At exit, before MPI is finalized: stop the engine's thread (no MPI call may follow the finalize)."""

@@ -34,7 +34,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -160,7 +160,7 @@ class _Set:
 
     def __init__(self, set_id: int, ranks: tuple[int, ...], comm: MPI.Intracomm,
                  wait: Callable[[MPI.Request], None], settings: Settings,
-                 ask: Callable[[_Set, list[int]], None]) -> None:
+                 ask: Callable[[_Set, list[int], int], None]) -> None:
         self.id, self.ranks = set_id, ranks
         self.ctl, self.data = comm.Dup(), comm.Dup()
         self.me = comm.Get_rank()
@@ -174,8 +174,8 @@ class _Set:
         self.watchdog = Watchdog(self.data, settings.timeout, None, hook=False, rank=ranks[self.me])
         self.reductions = 0
         self.coordinator = Coordinator(comm.Get_size(), ranks) if self.me == 0 else None
-        self.inspector = StallInspector(settings, ask=lambda ranks: ask(self, ranks), set_id=set_id) \
-            if self.me == 0 else None
+        self.inspector = StallInspector(settings, ask=lambda ranks, inquiry: ask(self, ranks, inquiry),
+                                        set_id=set_id) if self.me == 0 else None
         self.lost: BaseException | None = None  # a peer left (or the job was shut down): every operation fails
         self.pending: dict[str, Op] = {}
         self.outbox: list[Request] = []
@@ -212,7 +212,7 @@ class Engine:
     """
 
     def __init__(self, rank: int, settings: Settings | None = None,
-                 elsewhere: Callable[[], list[str]] | None = None) -> None:
+                 elsewhere: Callable[[], Sequence[str]] | None = None) -> None:
         self.rank = rank
         self.settings = Settings() if settings is None else settings
         self._elsewhere = elsewhere
@@ -225,6 +225,9 @@ class Engine:
         self._inbox: list[Callable[[], None]] = []
         self._sets: dict[int, _Set] = {}
         self._sends: list[MPI.Request] = []
+        #: The stall inspector's questions and answers in flight: apart from :attr:`_sends`, so that one to a
+        #: rank that is gone never keeps the engine busy nor its end waiting (freed at the end).
+        self._asks: list[MPI.Request] = []
         self._in_flight: dict[int, set[str]] = {}
         self._unnamed: dict[int, int] = {}  # per process set: unnamed operations so far (their keys' counts)
         self._waiting = 0
@@ -288,7 +291,9 @@ class Engine:
         option). Safe from any thread (it reads copies)."""
         now, lines = time.perf_counter(), []
         for s in list(self._sets.values()):
-            ops = sorted(list(s.pending.values()), key=lambda op: op.submitted)
+            current = s.current  # agreed, moving the data
+            running = [op for _, op in current[1] if op is not None] if current is not None else []
+            ops = sorted(list(s.pending.values()) + running, key=lambda op: op.submitted)
             if ops:
                 names = ", ".join(f"{op.request.what or op.request.kind} {op.request.key!r}" for op in ops[:3])
                 more = f" and {len(ops) - 3} more" if len(ops) > 3 else ""
@@ -312,6 +317,14 @@ class Engine:
         self._thread.join()
         for s in self._sets.values():  # their threads too: no MPI call may follow a finalize (local, idempotent)
             s.watchdog.close()
+            if s.inspector is not None:
+                s.inspector.flush()
+        for request in self._asks:
+            try:
+                request.Free()
+            except MPI.Exception:
+                pass
+        self._asks = []
         self._fail_all(RuntimeError("hvd.shutdown() (or the end of the process) came before this operation "
                                     "completed: some rank of its process set never made the call"))
         self._farewell()
@@ -479,6 +492,13 @@ class Engine:
             did = self._execute(s) or did
         if self._sends and MPI.Request.Testall(self._sends):  # one MPI call (each releases the GIL)
             self._sends = []
+        if self._asks:
+            try:
+                done = MPI.Request.Testall(self._asks)
+            except MPI.Exception:  # one to a rank that is gone: the others' fate does not matter either
+                done = True
+            if done:
+                self._asks = []
         if did and self._mark_cycles:
             self._record("CYCLE_START", time.perf_counter(), time.perf_counter())
         return did
@@ -531,18 +551,25 @@ class Engine:
             elif tag == _SHUTDOWN:
                 self._halt(body[1])
             elif tag == _ASK and body[0] == s.token:
-                self._sends.append(s.ctl.isend((s.token, self._waiting_in()), dest=source, tag=_TELL))
+                self._send_ask(s, (s.token, body[1], self._waiting_in()), source, _TELL)
             elif tag == _TELL and body[0] == s.token and s.inspector is not None:
-                s.inspector.told(s.ranks[source], body[1])
+                s.inspector.told(s.ranks[source], body[1], body[2])
 
-    def _ask(self, s: _Set, ranks: list[int]) -> None:
+    def _ask(self, s: _Set, ranks: list[int], inquiry: int) -> None:
         """The stall inspector asks these ranks (global) of set ``s`` what their processes wait in."""
         assert s.inspector is not None
         for r in ranks:
             if r == s.ranks[s.me]:
-                s.inspector.told(r, self._waiting_in())
+                s.inspector.told(r, inquiry, self._waiting_in())
             else:
-                self._sends.append(s.ctl.isend((s.token,), dest=s.ranks.index(r), tag=_ASK))
+                self._send_ask(s, (s.token, inquiry), s.ranks.index(r), _ASK)
+
+    def _send_ask(self, s: _Set, body: tuple[Any, ...], dest: int, tag: int) -> None:
+        """A question or an answer of the stall inspector: never an error of the engine's (the rank may be gone)."""
+        try:
+            self._asks.append(s.ctl.isend(body, dest=dest, tag=tag))
+        except MPI.Exception:
+            pass
 
     def _waiting_in(self) -> list[str]:
         """What this process waits in: outside the engine (its ``elsewhere``), then its own operations."""
@@ -556,6 +583,8 @@ class Engine:
         """The set cannot complete anything more: its operations still waiting for a verdict fail, and later
         ones. Those whose verdict has come still run: every rank agreed on them."""
         s.lost = error
+        if s.inspector is not None:
+            s.inspector.flush()
         s.outbox.clear()
         agreed = {sent if isinstance(sent, str) else sent.key for verdicts in s.queue for sent in verdicts}
         for key, op in list(s.pending.items()):

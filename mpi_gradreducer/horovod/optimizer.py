@@ -20,6 +20,7 @@ when there are none.
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import warnings
 import weakref
@@ -37,7 +38,7 @@ from .control import check
 from .exceptions import internal_errors
 from .ops import Average, Compression, Compressor, ReduceOp, Sum, resolve_op
 from .process_sets import global_process_set
-from .session import current
+from .session import current, waiting_in
 from .sparse import from_rowsparse, to_rowsparse
 from .submit import set_of
 
@@ -118,8 +119,8 @@ class DistributedOptimizer(mgr_torch.DistributedOptimizer):
                 raise TypeError(f"{_WHAT}: {', '.join(taken)}: set by Horovod's arguments (op, compression, "
                                 "gradient_predivide_factor, groups, process_set); not accepted as reducer options")
             asked = (Options() if options is None else options).replace(**reducer_options, **horovods)
-            if asked.elsewhere is None:  # a stall names what this rank's engine waits in, beside the reducer
-                asked = asked.replace(elsewhere=ctx.engine.pending)
+            if asked.elsewhere is None:  # a stall names what else this rank waits in: the engine, other optimizers
+                asked = asked.replace(elsewhere=functools.partial(waiting_in, weakref.ref(self)))
         except Exception as exc:  # raised on every rank of the set, never on one alone
             error = exc
         if member:

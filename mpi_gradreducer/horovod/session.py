@@ -14,7 +14,7 @@ import atexit
 import importlib.util
 import sys
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,13 +24,13 @@ from .._core import groups
 from .._core.agreement import raise_if_any
 from .._core.singleton import check_not_singleton
 from .._core.topology import Topology
-from ..elastic import joining_topology
+from ..elastic import joining, joining_hosts
 from .engine import Engine
 from .settings import Settings
 from .views import Views
 
-__all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "size", "rank", "local_size",
-           "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+__all__ = ["Context", "SetInfo", "current", "init", "shutdown", "is_initialized", "waiting_in", "size", "rank",
+           "local_size", "local_rank", "cross_size", "cross_rank", "mpi_threads_supported", "mpi_enabled", "mpi_built",
            "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built"]
 
 #: The interpreter's thread switch interval while Horovod is initialized (seconds), where the program left Python's
@@ -87,7 +87,7 @@ class Context:
         switch_interval: the interpreter's switch interval before :func:`init` lowered it (:data:`SWITCH_INTERVAL`),
             restored by :func:`shutdown`; None when it was left as it was.
         joining: in a replacement started by elastic mode, before it joins the running ranks: the hosts of the
-            world it joins, as it will be there (:func:`mpi_gradreducer.elastic.joining_topology`), whose size,
+            world it joins, as it will be there (:func:`mpi_gradreducer.elastic.joining_hosts`), whose size,
             rank, local and cross ranks and sizes :func:`size`, :func:`rank`, :func:`local_rank` and the like
             report, as Horovod's do; None otherwise.
     """
@@ -204,21 +204,38 @@ def init(comm: MPI.Intracomm | Sequence[int] | None = None) -> None:
     if sys.getswitchinterval() == _PYTHON_SWITCH_INTERVAL:  # a program's own choice is left alone
         switch = sys.getswitchinterval()
         sys.setswitchinterval(SWITCH_INTERVAL)
-    ahead = joining_topology(base) if comm is None else None  # a replacement's first init (its rebuilds pass the world)
+    # a replacement's first init (its rebuilds pass the world): the world it joins, as it will be there
+    hosts, ahead = (joining_hosts(base), joining(base)) if comm is None else (None, None)
+    joined = None if hosts is None or ahead is None else Topology.named(hosts, ahead[1])
     _Session.context = Context(base, local, cross, engine, {0: SetInfo(0, ranks, own)}, optimizers=optimizers,
-                               switch_interval=switch, joining=ahead)
+                               switch_interval=switch, joining=joined)
 
 
-def _reductions(optimizers: list[Any]) -> list[str]:
-    """The reductions of the live ``DistributedOptimizer`` objects in progress, in words (what the engine's stall
-    warning quotes for a rank that waits in one)."""
+def waiting_in(besides: Callable[[], Any] | None = None) -> list[str]:
+    """What this process waits in under Horovod now, in words: the engine's operations in flight, then the
+    reductions of the live ``DistributedOptimizer`` objects (but the one ``besides`` refers to): the
+    ``elsewhere`` option of a ``DistributedOptimizer``'s reducer, which the other ranks' stall warnings quote.
+    Safe from any thread; empty when Horovod is not initialized.
+
+    Args:
+        besides: a weak reference to the optimizer that asks (its own reduction is its watchdog's to tell).
+    """
+    ctx = _Session.context
+    if ctx is None:
+        return []
+    return ctx.engine.pending() + _reductions(ctx.optimizers, None if besides is None else besides())
+
+
+def _reductions(optimizers: list[Any], besides: Any = None) -> list[str]:
+    """The reductions of the live ``DistributedOptimizer`` objects in progress (but ``besides``'s), in words."""
     out = []
     for ref in list(optimizers):
         opt = ref()
-        waiting = None if opt is None else opt.reducer.waiting()
+        waiting = None if opt is None or opt is besides else opt.reducer.waiting()
         if waiting is not None:
-            set_id = getattr(opt.process_set, "process_set_id", 0)
-            out.append(f"hvd.DistributedOptimizer's reduction in process set {set_id}: {waiting}")
+            set_id = getattr(opt.process_set, "process_set_id", None)
+            where = "" if set_id is None else f" in process set {set_id}"
+            out.append(f"hvd.DistributedOptimizer's reduction{where}: {waiting}")
     return out
 
 
@@ -284,7 +301,7 @@ def cross_size() -> int:
 
 
 def cross_rank() -> int:
-    """This rank among the ranks with its local rank, one per host (its host's index)."""
+    """This rank among the ranks with its local rank, one per host, in host order."""
     ctx = current("hvd.cross_rank()")
     return ctx.cross.Get_rank() if ctx.joining is None else ctx.joining.cross_rank
 

@@ -7,7 +7,8 @@ ranks that are missing and the tensors they have not submitted, and with each
 what its process waits in instead (the reducer of a ``DistributedOptimizer``,
 another process set's operation): the engine asks the missing ranks first
 (:meth:`StallInspector.told` takes their answers) and the warning waits for
-them for at most :data:`REPLY_WINDOW` seconds; after
+them for at most :data:`REPLY_WINDOW` seconds (said sooner, with the answers
+come so far, when the set is lost or the engine stops: :meth:`flush`); after
 ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` (when set) the engine ends every
 rank's operations with :class:`~.exceptions.HorovodInternalError` and
 refuses new ones (:meth:`Engine <.engine.Engine>` sends the verdict to every
@@ -39,14 +40,14 @@ class StallInspector:
     Args:
         settings: the stall limits (``stall_check``, ``stall_shutdown``).
         say: writes one message (default: stderr, in one system call).
-        ask: asks these ranks (global) what their processes wait in; their
-            answers come through :meth:`told`. None: the warning says it at once,
-            without.
+        ask: ``ask(ranks, inquiry)`` asks these ranks (global) what their
+            processes wait in; their answers come through :meth:`told`, with
+            the inquiry's number. None: the warning says it at once, without.
         set_id: the process set, for the warning.
     """
 
     def __init__(self, settings: Settings, say: Callable[[str], None] | None = None,
-                 ask: Callable[[list[int]], None] | None = None, set_id: int = 0) -> None:
+                 ask: Callable[[list[int], int], None] | None = None, set_id: int = 0) -> None:
         self.check, self.shutdown = settings.stall_check, settings.stall_shutdown
         self.say = _say if say is None else say
         self.ask, self.set_id = ask, set_id
@@ -55,11 +56,21 @@ class StallInspector:
         #: The warning that waits for answers: its stalled keys, its deadline and the ranks asked.
         self._inquiry: tuple[dict[str, list[int]], float, set[int]] | None = None
         self._told: dict[int, tuple[str, ...]] = {}
+        self._inquiries = 0  # the number of the latest inquiry (a late answer to an earlier one is dropped)
 
-    def told(self, rank: int, what: Sequence[str]) -> None:
-        """Take rank ``rank``'s answer: what its process waits in (nothing: it waits in no operation)."""
-        if self._inquiry is not None and rank in self._inquiry[2]:
+    def told(self, rank: int, inquiry: int, what: Sequence[str]) -> None:
+        """Take rank ``rank``'s answer to inquiry ``inquiry``: what its process waits in (nothing: no operation
+        that Horovod knows of)."""
+        if self._inquiry is not None and inquiry == self._inquiries and rank in self._inquiry[2]:
             self._told[rank] = tuple(what)
+
+    def flush(self) -> None:
+        """Say the warning that waits for answers now, with those come so far (the set is lost, or the engine
+        stops: no more answers will be heard)."""
+        inquiry, self._inquiry = self._inquiry, None
+        if inquiry is not None:
+            assert self.check is not None
+            self.say(warning(inquiry[0], self.check, self.set_id, self._told))
 
     def inspect(self, coordinator: Coordinator, now: float | None = None) -> str | None:
         """Warn about keys stalled past the check time; the shutdown message when one is past the shutdown time.
@@ -70,9 +81,7 @@ class StallInspector:
         limits = [t for t in (self.check, self.shutdown) if t is not None]
         inquiry = self._inquiry
         if inquiry is not None and (now >= inquiry[1] or set(self._told) >= inquiry[2]):
-            self._inquiry = None
-            assert self.check is not None
-            self.say(warning(inquiry[0], self.check, self.set_id, self._told))
+            self.flush()
         if not limits or now < self._next:
             return None
         self._next = now + min(CHECK_EVERY, min(limits) / 4)
@@ -88,16 +97,13 @@ class StallInspector:
                     self.say(warning(checked, self.check, self.set_id))
                 else:
                     ranks = {r for missing_ranks in checked.values() for r in missing_ranks}
+                    self._inquiries += 1
                     self._inquiry, self._told = (checked, now + REPLY_WINDOW, ranks), {}
-                    self.ask(sorted(ranks))
-                    self._next = now + min(CHECK_EVERY / 4, min(limits) / 4)  # the answers come soon
+                    self.ask(sorted(ranks), self._inquiries)
         if self.shutdown is not None:
             over = {k: v for k, v in stalled.items() if now - coordinator.since[k] >= self.shutdown}
             if over:
-                if self._inquiry is not None:  # the warning first, with the answers come so far
-                    assert self.check is not None
-                    self.say(warning(self._inquiry[0], self.check, self.set_id, self._told))
-                    self._inquiry = None
+                self.flush()  # the warning first, with the answers come so far
                 return (f"Horovod has been shut down: {missing(over)} after "
                         f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={self.shutdown:g}; every operation of every rank "
                         "fails from now on")
@@ -130,7 +136,8 @@ def warning(stalled: dict[str, list[int]], seconds: float, set_id: int = 0,
         if told is not None:
             what = told.get(r)
             line += (" (no answer to what it waits in)" if what is None else
-                     f" (it waits in {'; and in '.join(what)})" if what else " (it waits in no operation)")
+                     f" (it waits in {'; and in '.join(what)})" if what else
+                     " (it waits in no operation that Horovod knows of)")
         lines.append(line)
     return "\n".join(lines)
 

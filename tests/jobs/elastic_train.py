@@ -86,7 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--ballast-mb", type=float, default=0.0, help="one more parameter of this many MB")
     parser.add_argument("--step-seconds", type=float, default=0.02)
-    parser.add_argument("--share-compute", type=int, default=0)
+    parser.add_argument("--share-compute", type=int, default=0, choices=range(0, 65), metavar="N",
+                        help="--step-seconds is the compute of N ranks' share; 0: a fixed sleep")
     parser.add_argument("--straggle", default="")
     parser.add_argument("--slow-sync", type=int, default=-1)
     parser.add_argument("--slow-bcast", type=int, default=-1)
