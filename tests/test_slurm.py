@@ -175,7 +175,10 @@ def venv(request: pytest.FixtureRequest, slurm: Slurm) -> Path:
 def _one_world_across_both_hosts(text: str) -> None:
     probes = re.findall(r"^probe (\d) of (\d) \| task \S+ \| host (\S+)$", text, re.M)
     assert sorted(int(r) for r, _, _ in probes) == [0, 1, 2, 3] and {s for _, s, _ in probes} == {"4"}, text
-    assert Counter(h for _, _, h in probes) == {"slmci-h1": 2, "slmci-h2": 2}, text
+    # two of the three nodes, two tasks on each: Slurm picks which (a node still cleaning up after the last job
+    # is passed over)
+    hosts = Counter(h for _, _, h in probes)
+    assert sorted(hosts.values()) == [2, 2] and set(hosts) <= {"slmci-h1", "slmci-h2", "slmci-h3"}, text
     trained = re.findall(r"^trained (\d) of 4 \| mean 1.5$", text, re.M)
     assert sorted(trained) == ["0", "1", "2", "3"], text
 
